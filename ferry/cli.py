@@ -1,0 +1,156 @@
+"""The one ``ferry`` command: generate, chat, demo."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any, get_args
+
+from ferry.config import EngineConfig
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+    "What is 12 times 7?",
+    "Name three planets of the solar system.",
+    "What does a compiler do?",
+    "Suggest a name for a small red boat.",
+    "Why do cats purr?",
+    "Describe a ferry in one sentence.",
+    "What is the boiling point of water in Celsius?",
+    "List three fruits that are yellow.",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as --kebab-case, with vLLM's names."""
+    g = p.add_argument_group("engine settings")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.type in ("bool", bool) or isinstance(default, bool):
+            g.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction)
+        else:
+            kind = _arg_type(f.type, default)
+            g.add_argument(flag, dest=f.name, default=default, type=kind, metavar=f.name.upper())
+
+
+def _arg_type(annotation: Any, default: Any):
+    text = str(annotation)
+    if "int" in text and "float" not in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", dest="sampling_seed", type=int, default=None,
+                   help="per-request seed (the engine-wide one is --seed)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from ferry import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ferry import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    outs = llm.generate(args.prompt, sampling_params(args), use_tqdm=False)
+    for o in outs:
+        print(o.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ferry.llm import LLM
+    from ferry.model.tokenizer import apply_chat_template
+
+    llm = LLM(**engine_kwargs(args))
+    engine, sp = llm.engine, sampling_params(args)
+    history: list[dict[str, str]] = []
+    print("ferry chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        req = engine.add_request(apply_chat_template(llm.tokenizer, history), sp)
+        shown = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == req.request_id:
+                    text = out.outputs[0].text
+                    print(text[shown:], end="", flush=True)
+                    shown = len(text)
+        print()
+        history.append({"role": "assistant", "content": req.output_text})
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ferry import LLM, SamplingParams
+    from ferry.engine.metrics import summarize
+
+    llm = LLM(**engine_kwargs(args))
+    print(f"model loaded in {llm.startup_seconds:.1f} s")
+    convs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+    duration = time.perf_counter() - t0
+    for q, o in zip(DEMO_QUESTIONS, outs):
+        print(f"\n### {q}\n{o.outputs[0].text.strip()}  [{o.outputs[0].finish_reason}]")
+    print("\n--- summary (continuous batching, all requests together) ---")
+    print("\n".join(summarize(outs, duration).lines()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate", help="complete one prompt")
+    p.add_argument("prompt")
+    add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
+    add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("demo", help="a batch of chat prompts on the embedded model, then a summary")
+    p.add_argument("--max-tokens", type=int, default=128)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"ferry: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Engine settings, named as vLLM names them. Pure Python: the core reads it too."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of one engine.
+
+    ``max_num_batched_tokens`` is the token budget of one step (the ferry's
+    capacity). For ``scheduler="static"``, ``max_num_seqs`` is the batch size B.
+    The KV cache holds ``num_kv_blocks`` blocks of ``block_size`` tokens; when
+    ``num_kv_blocks`` is None it is sized from ``kv_cache_memory_gb``.
+    """
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"  # "auto" | "dummy"
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    enable_chunked_prefill: bool = True
+    scheduler: str = "continuous"  # "continuous" | "static"
+    seed: int = 0
+    num_threads: int | None = None  # None: torch's default
+    cache_dir: str | None = None  # where converted GGUF models are kept
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "'float32', 'bfloat16' or 'float16'")
+        check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", "an integer >= 1")
+        check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1")
+        check(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "an integer >= 1")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
+        check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
+        check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'")
+        check(self.scheduler in ("continuous", "static"), "scheduler", "'continuous' or 'static'")
+
+    def check_model_len(self) -> None:
+        """Checks that need max_model_len resolved (after the model's config is read)."""
+        assert self.max_model_len is not None
+        if not self.enable_chunked_prefill and self.scheduler == "continuous" \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with enable_chunked_prefill=False a whole prompt must fit one step: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}); raise the budget or lower max_model_len")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**kwargs)

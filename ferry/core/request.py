@@ -1,0 +1,102 @@
+"""One request's state as it moves through the engine.
+
+Progress is a single counter, ``num_computed_tokens``, that chases ``num_tokens``
+(prompt plus the tokens generated so far). A prefill chunk, a decode and a
+recompute after preemption are all "advance this counter by N".
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ferry.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+class Detokenizer(Protocol):
+    """Turns appended token ids into text incrementally (the engine supplies one)."""
+
+    def append(self, token_id: int) -> str: ...
+
+
+@dataclass
+class RequestTimes:
+    """Timestamps from the engine's clock (seconds)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+    max_tokens: int = 16  # resolved from sampling_params by the engine
+    prompt: str | None = None
+    detokenizer: Detokenizer | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    times: RequestTimes = field(init=False)
+    # Set once by the scheduler: monotonically increasing arrival sequence, breaks ties.
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

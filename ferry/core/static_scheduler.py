@@ -1,0 +1,70 @@
+"""The static-batching baseline, on the same engine, for honest comparison.
+
+A batch of up to B (= ``max_num_seqs``) requests boards together; their prompts
+are prefilled together in one step and their KV blocks are reserved for the
+worst case (prompt + max_tokens), as a padded static batch holds its memory.
+A request that finishes early keeps its slot: every later step recomputes its
+last token (real work, result discarded) until the whole batch is done. Those
+slot-steps are the waste the seed talks about, counted as padding tokens.
+"""
+from __future__ import annotations
+
+from ferry.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from ferry.core.request import Request, RequestStatus
+from ferry.core.scheduler import Scheduler
+
+
+class StaticScheduler(Scheduler):
+    """Run-to-completion batches: a new batch starts only when the whole last one has ended."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch: list[Request] = []
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._take_finished())
+        if not self.batch:
+            self._admit_batch(out)
+        for req in self.batch:
+            if req.is_finished:  # padding: recompute the last computed token, discard it
+                out.chunks.append(ScheduledChunk(
+                    request=req, start=req.num_computed_tokens - 1, num_tokens=1,
+                    block_ids=self.kv.block_tables[req.request_id], samples=False, padding=True))
+            else:
+                out.chunks.append(self._advance(req, req.num_tokens - req.num_computed_tokens))
+        out.num_kv_blocks_used = self.kv.pool.num_used
+        return out
+
+    def _admit_batch(self, out: SchedulerOutput) -> None:
+        while self.waiting and len(self.batch) < self.max_num_seqs:
+            req = self.waiting.peek()
+            # Reserve the worst case up front; the last sampled token is never computed.
+            if self.kv.allocate_slots(req, req.num_prompt_tokens + req.max_tokens - 1) is None:
+                break
+            self.waiting.pop()
+            req.times.first_scheduled = self.clock()
+            req.status = RequestStatus.RUNNING
+            out.new_req_ids.append(req.request_id)
+            self.running.append(req)
+            self.batch.append(req)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        if status is RequestStatus.FINISHED_ABORTED or req not in self.batch:
+            if req in self.batch:
+                self.batch.remove(req)
+            super().finish_request(req, status)
+            return
+        # Finished inside a batch: done for the user, but its slot (and blocks) stay.
+        self.running.remove(req)
+        req.status = status
+        req.times.finished = self.clock()
+        del self.requests[req.request_id]
+        self._finished_since_last_step.append(req.request_id)
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        changed = super().update_from_output(out, result)
+        if self.batch and all(r.is_finished for r in self.batch):
+            for req in self.batch:
+                self.kv.free(req)
+            self.batch = []
+        return changed

@@ -1,0 +1,1 @@
+"""The one step loop, its clock and its outputs."""

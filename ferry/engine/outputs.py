@@ -1,0 +1,73 @@
+"""What the engine hands back to callers: one RequestOutput per request per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferry.core.request import Request
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings (engine clock, seconds) and derived latencies."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_times: list[float]
+    num_preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token - first token) / (output tokens - 1); None with fewer than 2 tokens."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: RequestMetrics | None = None
+
+    @classmethod
+    def from_request(cls, req: Request, index: int = 0) -> "RequestOutput":
+        t = req.times
+        return cls(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(
+                index=index, text=req.output_text, token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None)],
+            finished=req.is_finished,
+            metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished,
+                                   list(t.token_times), req.num_preemptions),
+        )

@@ -1,0 +1,1 @@
+"""Executors turn a scheduler output into sampled tokens."""

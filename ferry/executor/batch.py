@@ -1,0 +1,92 @@
+"""Pack one step's chunks into flat tensors: no padding between requests.
+
+Decodes (one token with earlier context) come first so attention can take them
+as one batch; prefill chunks follow. Everything is computed with numpy on whole
+arrays, with one small Python loop over requests (never over tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferry.core.outputs import ScheduledChunk
+from ferry.model.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_chunks: list[ScheduledChunk]  # one per logits row, same order
+
+
+def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    table = np.asarray(block_ids, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
+    decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+    prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+    ordered = decodes + prefills
+
+    ids: list[int] = [c.request.all_token_ids[c.start] for c in decodes]
+    for c in prefills:
+        ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
+    slot_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
+
+    nd = len(decodes)
+    decode_slots = decode_mask = None
+    if nd:
+        starts = np.fromiter((c.start for c in decodes), dtype=np.int64, count=nd)
+        lens = starts + 1
+        max_blocks = max(len(c.block_ids) for c in decodes)
+        table = np.zeros((nd, max_blocks), dtype=np.int64)
+        for i, c in enumerate(decodes):
+            table[i, :len(c.block_ids)] = c.block_ids
+        L = int(lens.max())
+        ar = np.arange(L)
+        slots = table[:, ar // block_size] * block_size + ar % block_size  # [B, L]
+        decode_slots = torch.from_numpy(slots)
+        decode_mask = torch.from_numpy(ar[None, :] < lens[:, None]).view(nd, 1, 1, L)
+        slot_parts.append(slots[np.arange(nd), starts])
+        pos_parts.append(starts)
+
+    spans: list[PrefillSpan] = []
+    row = nd
+    for c in prefills:
+        pos = np.arange(c.start, c.start + c.num_tokens)
+        span = PrefillSpan(q_start=row, q_len=c.num_tokens, ctx_len=c.start)
+        if c.start > 0:
+            all_pos = np.arange(c.start + c.num_tokens)
+            ctx_slots = _slots(c.block_ids, all_pos, block_size)
+            slot_parts.append(ctx_slots[c.start:])
+            span.ctx_slots = torch.from_numpy(ctx_slots)
+            span.mask = torch.from_numpy(all_pos[None, :] <= pos[:, None])
+        else:
+            slot_parts.append(_slots(c.block_ids, pos, block_size))
+        pos_parts.append(pos)
+        spans.append(span)
+        row += c.num_tokens
+
+    sampling: list[ScheduledChunk] = []
+    logit_rows: list[int] = []
+    row = 0
+    for c in ordered:
+        row += c.num_tokens
+        if c.samples and not c.padding:
+            sampling.append(c)
+            logit_rows.append(row - 1)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slot_parts)), num_decodes=nd,
+        decode_slots=decode_slots, decode_mask=decode_mask, prefills=spans)
+    return PackedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.from_numpy(np.concatenate(pos_parts)),
+        meta=meta, logits_indices=torch.tensor(logit_rows, dtype=torch.long), sampling_chunks=sampling)

@@ -1,0 +1,118 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(conversations)``."""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from ferry.config import EngineConfig
+from ferry.core.sampling_params import SamplingParams
+from ferry.engine.llm_engine import LLMEngine
+from ferry.engine.outputs import RequestOutput
+from ferry.model.tokenizer import apply_chat_template
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine on one model, for batch generation in-process.
+
+    ``LLM()`` loads the embedded SmolLM2-135M-Instruct; ``LLM(model="DIR")`` a
+    Hugging Face directory. Keyword arguments are engine settings (see EngineConfig).
+    """
+
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        t0 = time.perf_counter()
+        self.config = EngineConfig.from_kwargs(model=model, **settings)
+        self.engine = LLMEngine.from_config(self.config)
+        self.startup_seconds = time.perf_counter() - t0
+        self._counter = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt together; outputs come back in input order.
+
+        A prompt is a string or a list of token ids. With ``n > 1`` an output holds n completions.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        # Every request is checked before any is queued, so a bad one leaves the engine untouched.
+        ids: list[list[str]] = []
+        added: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                subs = []
+                for k in range(sp.n):
+                    sub_sp = sp if sp.n == 1 else _nth(sp, k)
+                    rid = f"{self._counter}-{i}-{k}"
+                    self.engine.add_request(prompt, sub_sp, request_id=rid,
+                                            priority=priority[i] if priority else 0)
+                    added.append(rid)
+                    subs.append(rid)
+                ids.append(subs)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        finally:
+            self._counter += 1
+        final = self._run(len(added), use_tqdm)
+        outputs = []
+        for subs in ids:
+            first = final[subs[0]]
+            for k, rid in enumerate(subs[1:], start=1):
+                comp = final[rid].outputs[0]
+                comp.index = k
+                first.outputs.append(comp)
+            outputs.append(first)
+        return outputs
+
+    def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Like generate, with each conversation rendered by the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+        n_out, t0 = 0, time.perf_counter()
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                n_out += 1
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.set_postfix_str(f"out {n_out / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
+        if bar is not None:
+            bar.close()
+        return final
+
+
+def _nth(sp: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples: its own seed (when seeded) so the samples differ but reproduce."""
+    from dataclasses import replace
+
+    return replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)

