@@ -124,6 +124,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from statistics import median
+
+    from ferry import LLM
+    from ferry.bench.offline import run_offline
+    from ferry.bench.workload import load_workload
+
+    reqs = load_workload(args.workload)
+    llm = LLM(**engine_kwargs(args))
+    print(f"startup {llm.startup_seconds:.2f} s; {len(reqs)} requests; scheduler={args.scheduler}")
+    runs = []
+    for i in range(args.num_runs):
+        s = run_offline(llm, reqs, use_tqdm=not args.no_progress)
+        runs.append(s)
+        print(f"run {i + 1}: {s.duration:.2f} s, {s.output_throughput:.1f} output tok/s, "
+              f"{s.num_preemptions} preemptions")
+    if args.num_runs > 1:
+        print(f"median of {args.num_runs}: {median(r.duration for r in runs):.2f} s, "
+              f"{median(r.output_throughput for r in runs):.1f} output tok/s")
+    print("\n".join(runs[-1].lines()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("offline", help="a workload submitted all at once (ignore_eos)")
+    p.add_argument("--workload", required=True, help="JSON file of requests (see shared/workloads)")
+    p.add_argument("--num-runs", type=int, default=1, help="repeat on the same engine, report the median")
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_offline)
     return parser
 
 

@@ -41,20 +41,16 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
     pos_parts: list[np.ndarray] = []
 
     nd = len(decodes)
-    decode_slots = decode_mask = None
+    decode_tables = decode_lens = None
     if nd:
         starts = np.fromiter((c.start for c in decodes), dtype=np.int64, count=nd)
-        lens = starts + 1
         max_blocks = max(len(c.block_ids) for c in decodes)
         table = np.zeros((nd, max_blocks), dtype=np.int64)
         for i, c in enumerate(decodes):
             table[i, :len(c.block_ids)] = c.block_ids
-        L = int(lens.max())
-        ar = np.arange(L)
-        slots = table[:, ar // block_size] * block_size + ar % block_size  # [B, L]
-        decode_slots = torch.from_numpy(slots)
-        decode_mask = torch.from_numpy(ar[None, :] < lens[:, None]).view(nd, 1, 1, L)
-        slot_parts.append(slots[np.arange(nd), starts])
+        decode_tables = torch.from_numpy(table)
+        decode_lens = torch.from_numpy(starts + 1)
+        slot_parts.append(table[np.arange(nd), starts // block_size] * block_size + starts % block_size)
         pos_parts.append(starts)
 
     spans: list[PrefillSpan] = []
@@ -85,7 +81,7 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
 
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slot_parts)), num_decodes=nd,
-        decode_slots=decode_slots, decode_mask=decode_mask, prefills=spans)
+        decode_block_tables=decode_tables, decode_lens=decode_lens, block_size=block_size, prefills=spans)
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),

@@ -7,10 +7,13 @@ over the tokens computed in earlier steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ferry.model.kernels import load_paged_attention
 
 
 @dataclass
@@ -30,24 +33,63 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T]: cache slot of every packed token
     num_decodes: int  # the first num_decodes rows are single-token decodes
-    decode_slots: torch.Tensor | None  # [B, L]: slots of each decode's context (padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L]: True on real context positions
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64
+    decode_lens: torch.Tensor | None  # [B] int64: context length, the new token included
+    block_size: int
     prefills: list[PrefillSpan]
+    _gathered: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] slots of every decode's context (padded) and [B, 1, 1, L] mask, made once per step."""
+        if self._gathered is None:
+            L = int(self.decode_lens.max())
+            ar = torch.arange(L)
+            slots = self.decode_block_tables[:, ar // self.block_size] * self.block_size + ar % self.block_size
+            mask = (ar[None, :] < self.decode_lens[:, None]).view(-1, 1, 1, L)
+            self._gathered = (slots, mask)
+        return self._gathered
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Reference decode path: gather each context into a padded batch, then SDPA."""
+    slots, mask = meta.decode_slots_and_mask()
+    kd = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    vd = v_cache[slots].transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+
+
+def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Fast decode path: the C kernel reads K/V in place through the block tables."""
+    lib = load_paged_attention()
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    B, Hq, D = q.shape
+    tables = meta.decode_block_tables
+    lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        meta.decode_lens.data_ptr(), out.data_ptr(), B, Hq, k_cache.shape[1], D,
+        meta.block_size, tables.shape[1], ctypes.c_float(scale))
+    return out
+
+
+def kernel_available(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and load_paged_attention() is not None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, use_kernel: bool = True) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, Hq * D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        out[:nd] = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True).squeeze(2)
+        decode = decode_attention_kernel if use_kernel else decode_attention_torch
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferry.model.attention import AttentionMetadata, paged_attention
+from ferry.model.attention import AttentionMetadata, kernel_available, paged_attention
 from ferry.model.config import ModelConfig
 
 
@@ -25,6 +25,18 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
+
+
+SKINNY_ROWS = 128
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T. For few rows, computing (w @ x.T).T lets BLAS stream the weight once
+    instead of packing it, 20-40% faster for decode-sized batches on CPU."""
+    if x.shape[0] <= SKINNY_ROWS:
+        y = torch.mm(w, x.t()).t()
+        return y if bias is None else y + bias
+    return F.linear(x, w, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,6 +113,7 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.use_kernel = kernel_available(dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -113,14 +126,14 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(q.view(T, hq, hd), cos, sin)
             k = apply_rope(k.view(T, hkv, hd), cos, sin)
-            o = paged_attention(q, k, v.view(T, hkv, hd), k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(o, layer.o_proj)
+            o = paged_attention(q, k, v.view(T, hkv, hd), k_cache, v_cache, meta, self.scale, self.use_kernel)
+            x = x + linear(o, layer.o_proj)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()

@@ -1,0 +1,81 @@
+"""Small C kernels, built once with the system C compiler and loaded with ctypes.
+
+No torch headers are needed, so the build takes about a second; the shared
+library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
+OpenMP comes from the libgomp that torch itself loads, so the kernel and torch
+share one thread pool instead of two pools fighting over the cores. Without a
+compiler (or without that libgomp) callers fall back to the pure-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+from ferry.model.gguf_convert import default_cache_dir
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("paged_attention.c")
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
+
+
+def _torch_libgomp() -> Path | None:
+    import torch
+
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _cpu_id() -> str:
+    try:
+        return next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+@lru_cache(maxsize=None)
+def load_paged_attention() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built here."""
+    if os.environ.get("FERRY_NO_KERNELS"):
+        return None
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    if shutil.which(cc) is None:
+        log.warning("no C compiler (%s): using the torch attention path", cc)
+        return None
+    gomp = _torch_libgomp()
+    if gomp is None:
+        log.warning("torch ships no libgomp here: using the torch attention path")
+        return None
+    link = [f"-Wl,-rpath,{gomp.parent}", str(gomp), "-lm"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + link).encode() + _cpu_id().encode()
+                         ).hexdigest()[:16]
+    lib = default_cache_dir() / "kernels" / f"paged_attention-{key}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".tmp{os.getpid()}.so")
+        try:
+            # -fopenmp compiles the pragmas; linking torch's libgomp by path (not -lgomp) keeps one runtime.
+            obj = tmp.with_suffix(".o")
+            subprocess.run([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True,
+                           capture_output=True, text=True)
+            subprocess.run([cc, "-shared", str(obj), "-o", str(tmp), *link], check=True,
+                           capture_output=True, text=True)
+            obj.unlink()
+        except (subprocess.CalledProcessError, OSError) as e:
+            log.warning("could not build the attention kernel (%s): using the torch path",
+                        getattr(e, "stderr", e))
+            return None
+        tmp.replace(lib)
+    so = ctypes.CDLL(str(lib))
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    so.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32]
+    so.paged_decode_attention.restype = None
+    return so

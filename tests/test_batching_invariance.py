@@ -1,0 +1,53 @@
+"""The same greedy tokens whatever the batching: alone, together, tiny chunks, preemption."""
+from __future__ import annotations
+
+import pytest
+
+from ferry import LLM, SamplingParams
+
+SP = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(llm, parity_prompts):
+    return [llm.generate([p], SP, use_tqdm=False)[0].outputs[0].token_ids for p in parity_prompts]
+
+
+def test_together_in_one_mixed_batch(llm, parity_prompts, alone):
+    outs = llm.generate(parity_prompts, SP, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_staggered_arrivals_mix_prefill_chunks_and_decodes(llm, parity_prompts, alone):
+    engine = llm.engine
+    reqs = {}
+    pending = list(enumerate(parity_prompts))
+    while pending or engine.has_unfinished():
+        if pending:  # one new request per step, so prefills and decodes share steps
+            i, p = pending.pop(0)
+            reqs[i] = engine.add_request(p, SP, request_id=f"stagger-{i}")
+        engine.step()
+    assert [reqs[i].output_token_ids for i in range(len(parity_prompts))] == alone
+
+
+def test_budget_so_small_every_prompt_is_chunked(parity_prompts, alone):
+    small = LLM(max_num_batched_tokens=16)
+    outs = small.generate(parity_prompts, SP, use_tqdm=False)
+    assert max(s.num_prefill_tokens for s in small.engine.step_stats) <= 16
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_kv_cache_so_small_that_preemption_happens(parity_prompts, alone):
+    # 80 blocks of 16 tokens: the largest request fits alone, all of them together do not.
+    tight = LLM(num_kv_blocks=80, max_num_batched_tokens=256)
+    outs = tight.generate(parity_prompts, SP, use_tqdm=False)
+    assert tight.engine.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == tight.engine.num_preemptions
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert tight.engine.kv.pool.num_free == 80
+
+
+def test_static_scheduler_gives_the_same_tokens(parity_prompts, alone):
+    static = LLM(scheduler="static", max_num_seqs=3)
+    outs = static.generate(parity_prompts, SP, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
