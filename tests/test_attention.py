@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from ferry.model.attention import AttentionMetadata, decode_attention_kernel, decode_attention_torch
-from ferry.model.kernels import load_paged_attention
+from ferry.model.kernels import load_kernels
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_kernel_matches_reference(block_size):
-    if load_paged_attention() is None:
+    if load_kernels() is None:
         pytest.fail("the attention kernel could not be built (no C compiler?)")
     g = torch.Generator().manual_seed(block_size)
     hq, hkv, d, num_blocks = 9, 3, 64, 400
@@ -35,3 +35,14 @@ def test_kernel_matches_reference(block_size):
     ref = decode_attention_torch(q, k_cache, v_cache, meta, d ** -0.5)
     got = decode_attention_kernel(q, k_cache, v_cache, meta, d ** -0.5)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 7, 8), (3, 4, 64), (5, 13, 576), (16, 1001, 1536), (32, 64, 24)])
+def test_skinny_gemm_matches_torch(m, n, k):
+    from ferry.model.llama import skinny_linear
+
+    if load_kernels() is None:
+        pytest.fail("the kernels could not be built (no C compiler?)")
+    g = torch.Generator().manual_seed(m * n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    torch.testing.assert_close(skinny_linear(x, w), x @ w.t(), rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ferry.model.kernels import load_paged_attention
+from ferry.model.kernels import load_kernels
 
 
 @dataclass
@@ -63,7 +63,7 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Fast decode path: the C kernel reads K/V in place through the block tables."""
-    lib = load_paged_attention()
+    lib = load_kernels()
     q = q.contiguous()
     out = torch.empty_like(q)
     B, Hq, D = q.shape
@@ -76,7 +76,7 @@ def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and load_paged_attention() is not None
+    return dtype == torch.float32 and load_kernels() is not None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Small C kernels, built once with the system C compiler and loaded with ctypes.
+"""Two small C kernels (paged decode attention, skinny GEMM), built once with the system C compiler and loaded with ctypes.
 
 No torch headers are needed, so the build takes about a second; the shared
 library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
@@ -22,7 +22,7 @@ from pathlib import Path
 from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
 
 
@@ -41,8 +41,8 @@ def _cpu_id() -> str:
 
 
 @lru_cache(maxsize=None)
-def load_paged_attention() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when it cannot be built here."""
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library (paged attention, skinny GEMM), or None when it cannot be built here."""
     if os.environ.get("FERRY_NO_KERNELS"):
         return None
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
@@ -55,20 +55,22 @@ def load_paged_attention() -> ctypes.CDLL | None:
         log.warning("torch ships no libgomp here: using the torch attention path")
         return None
     link = [f"-Wl,-rpath,{gomp.parent}", str(gomp), "-lm"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + link).encode() + _cpu_id().encode()
-                         ).hexdigest()[:16]
-    lib = default_cache_dir() / "kernels" / f"paged_attention-{key}.so"
+    text = b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(text + " ".join(COMPILE_FLAGS + link).encode() + _cpu_id().encode()).hexdigest()[:16]
+    lib = default_cache_dir() / "kernels" / f"ferry-kernels-{key}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".tmp{os.getpid()}.so")
         try:
             # -fopenmp compiles the pragmas; linking torch's libgomp by path (not -lgomp) keeps one runtime.
-            obj = tmp.with_suffix(".o")
-            subprocess.run([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True,
+            objs = [tmp.with_suffix(f".{src.stem}.o") for src in SOURCES]
+            for src, obj in zip(SOURCES, objs):
+                subprocess.run([cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)], check=True,
+                               capture_output=True, text=True)
+            subprocess.run([cc, "-shared", *map(str, objs), "-o", str(tmp), *link], check=True,
                            capture_output=True, text=True)
-            subprocess.run([cc, "-shared", str(obj), "-o", str(tmp), *link], check=True,
-                           capture_output=True, text=True)
-            obj.unlink()
+            for obj in objs:
+                obj.unlink()
         except (subprocess.CalledProcessError, OSError) as e:
             log.warning("could not build the attention kernel (%s): using the torch path",
                         getattr(e, "stderr", e))
@@ -78,4 +80,6 @@ def load_paged_attention() -> ctypes.CDLL | None:
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     so.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32]
     so.paged_decode_attention.restype = None
+    so.skinny_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    so.skinny_gemm.restype = None
     return so
