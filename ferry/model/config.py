@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass
@@ -31,6 +32,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            arch = _BY_MODEL_TYPE.get(d.get("model_type", ""))
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or d.get('model_type')!r} in {where}; "
                              f"ferry runs {', '.join(SUPPORTED_ARCHITECTURES)}")
