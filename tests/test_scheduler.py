@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferry.config import EngineConfig
+from ferry.core.request import Request
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
@@ -200,3 +201,36 @@ def test_fcfs_first_tokens_come_in_arrival_order(n, plen, budget):
     run_all(engine)
     firsts = [r.times.first_token for r in reqs]
     assert firsts == sorted(firsts)
+
+
+class CharDetokenizer:
+    """Token t decodes to the t-th piece of a fixed script, so tests control the text exactly."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def append(self, token_id: int) -> str:
+        return self.pieces[token_id % len(self.pieces)]
+
+
+@pytest.mark.parametrize("stop,expected", [("c d", "ab "), ("zz", None), ("abc", None), ("d e", "ab c ")])
+def test_stop_string_spanning_tokens_truncates_text(stop, expected):
+    pieces = ["a", "b", " c", " d", " e", "f"]
+    engine, ex = make_engine()
+
+    def fixed(out):  # token i of the output is i: the text is "ab c d ef"
+        res = FakeExecutor.execute(ex, out)
+        for rid in res.sampled:
+            res.sampled[rid] = engine.scheduler.requests[rid].num_output_tokens
+        return res
+
+    engine.executor.execute = fixed
+    req = Request("s", [1, 2, 3], SamplingParams(max_tokens=6, stop=[stop], ignore_eos=True), arrival_time=0.0,
+                  detokenizer=CharDetokenizer(pieces))
+    engine.scheduler.add_request(req)
+    run_all(engine)
+    if expected is None:
+        assert req.status.finish_reason == "length" and req.output_text == "ab c d ef"
+    else:
+        assert req.status.finish_reason == "stop" and req.stop_reason == stop
+        assert req.output_text == expected

@@ -202,15 +202,15 @@ class Scheduler:
             req.times.token_times.append(now)
             if rid in result.logprobs:
                 req.logprobs.append(result.logprobs[rid])
-            if req.detokenizer is not None:
-                req.output_text += req.detokenizer.append(token)
-            status = self._check_stop(req, token)
+            delta = req.detokenizer.append(token) if req.detokenizer is not None else ""
+            req.output_text += delta
+            status = self._check_stop(req, token, len(delta))
             if status is not None:
                 self.finish_request(req, status)
             changed.append(req)
         return changed
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request, token: int, new_chars: int) -> RequestStatus | None:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
             if token == req.eos_token_id and not sp.ignore_eos:
@@ -218,17 +218,17 @@ class Scheduler:
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            if sp.stop and self._truncate_at_stop_string(req):
+            if sp.stop and self._truncate_at_stop_string(req, new_chars):
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     @staticmethod
-    def _truncate_at_stop_string(req: Request) -> bool:
+    def _truncate_at_stop_string(req: Request, new_chars: int) -> bool:
         sp = req.sampling_params
-        # Only the tail can hold a new match: the last token's text plus the longest stop string.
-        window = max(len(s) for s in sp.stop) + 16
+        # Only a match that ends in the new text is new: search the new text plus one stop string back.
+        window = max(len(s) for s in sp.stop) - 1 + new_chars
         text = req.output_text
         lo = max(0, len(text) - window)
         best = None

@@ -8,7 +8,7 @@ from typing import Any, Callable, Protocol
 from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
-from ferry.core.request import Request, RequestStatus
+from ferry.core.request import Request
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
 from ferry.core.static_scheduler import StaticScheduler
@@ -124,6 +124,3 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
-
-def is_error(req: Request) -> bool:
-    return req.status is RequestStatus.FINISHED_ERROR
