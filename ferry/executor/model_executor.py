@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ferry.config import EngineConfig
@@ -51,8 +52,11 @@ class ModelExecutor:
             * torch.tensor([], dtype=dtype).element_size()
         self.num_kv_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         slots = self.num_kv_blocks * config.block_size
-        # zeros, not empty: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
-        cache = torch.zeros(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+        # Zeros, not garbage: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
+        # numpy's zeros come from calloc, whose fresh pages the OS zeroes lazily: no 2 GiB memset
+        # at start-up, and only the blocks in use ever take memory.
+        shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
+        cache = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler(config.seed)
 

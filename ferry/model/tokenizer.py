@@ -1,22 +1,61 @@
-"""Tokenizer and chat template, through transformers' fast tokenizer (no model code)."""
+"""Tokenizer and chat template.
+
+Encoding and decoding use the ``tokenizers`` library directly (fast to import).
+The chat template is rendered by transformers' tokenizer, loaded on first use,
+so a start that never chats does not pay for importing transformers.
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 
-def load_tokenizer(model_dir: Path) -> Any | None:
-    """The directory's tokenizer, or None when it ships none (e.g. a dummy-weights config)."""
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+class Tokenizer:
+    """encode/decode over tokenizer.json; apply_chat_template through transformers."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        self.model_dir = model_dir
+        self._fast = FastTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        eos = cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self.eos_token_id: int | None = self._fast.token_to_id(eos) if eos else None
+        self.has_chat_template = bool(cfg.get("chat_template")) or (model_dir / "chat_template.jinja").is_file()
+        self._hf: Any = None
+
+    def __len__(self) -> int:
+        return self._fast.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``conversation`` rendered by the model's chat template, ready for the reply."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if self._hf is None:
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
+        text = self._hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The directory's tokenizer, or None when it ships no tokenizer.json (e.g. dummy weights)."""
+    if not (model_dir / "tokenizer.json").is_file():
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return Tokenizer(model_dir)
 
 
-def apply_chat_template(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``conversation`` rendered by the model's chat template, ready for the reply."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; use generate() with a plain prompt")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+def apply_chat_template(tokenizer: Tokenizer | None, conversation: list[dict[str, str]]) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so no chat template; pass token ids to generate()")
+    return tokenizer.apply_chat_template(conversation)
