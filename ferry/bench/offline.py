@@ -15,4 +15,4 @@ def run_offline(llm: LLM, requests: list[WorkloadRequest], use_tqdm: bool = True
     llm.engine.step_stats.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm, priority=[r.priority for r in requests])
-    return summarize(outs, time.perf_counter() - t0)
+    return summarize(outs, time.perf_counter() - t0, llm.engine.step_stats)

@@ -63,7 +63,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             text = prompt
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+            # As vLLM does for completions: the tokenizer adds BOS where the model expects one.
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         else:
             token_ids = list(prompt)
         if not token_ids:
