@@ -30,7 +30,7 @@ class LayerWeights:
 
 # Below these row counts BLAS's packing of the weight costs more than the product itself
 # (measured on a 2-core AVX2 CPU with the weights in DRAM): see linear().
-KERNEL_ROWS = 32
+KERNEL_ROWS = 28
 TRANSPOSED_ROWS = 128
 
 
@@ -60,7 +60,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operations, in the same order, as Hugging Face's LlamaRMSNorm.
+    # Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -148,10 +150,11 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias, kern)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(T, hq, hd), cos, sin)
-            k = apply_rope(k.view(T, hkv, hd), cos, sin)
-            o = paged_attention(q, k, v.view(T, hkv, hd), k_cache, v_cache, meta, self.scale, self.use_kernel)
+            # q and k sit side by side in qkv: rotate them in one pass.
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, hd)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.use_kernel)
             x = x + linear(o, layer.o_proj, use_kernel=kern)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)

@@ -20,39 +20,35 @@ static inline float hsum(v8 v) {
 #define NR 4
 #define MR 3
 
-static void block_full(const float *x, const float *w, float *y, int64_t N, int64_t K) {
+/* One block of nr weight rows x mr input rows. Inlined with constant nr and mr at
+ * each call site, so the compiler keeps all accumulators in registers. */
+static inline __attribute__((always_inline)) void block(const float *x, const float *w, float *y,
+                                                        int64_t N, int64_t K, const int nr, const int mr) {
     v8 acc[NR][MR] = {{{0}}};
     for (int64_t k = 0; k < K; k += 8) {
         v8 xv[MR];
-        for (int j = 0; j < MR; j++) xv[j] = load8(x + j * K + k);
-        for (int r = 0; r < NR; r++) {
+        for (int j = 0; j < mr; j++) xv[j] = load8(x + j * K + k);
+        for (int r = 0; r < nr; r++) {
             const v8 wv = load8(w + r * K + k);
-            for (int j = 0; j < MR; j++) acc[r][j] += wv * xv[j];
+            for (int j = 0; j < mr; j++) acc[r][j] += wv * xv[j];
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < MR; j++) y[j * N + r] = hsum(acc[r][j]);
-}
-
-static void block_rest(const float *x, const float *w, float *y, int64_t N, int64_t K, int64_t nb, int64_t mb) {
-    for (int64_t r = 0; r < nb; r++)
-        for (int64_t j = 0; j < mb; j++) {
-            v8 acc = {0};
-            for (int64_t k = 0; k < K; k += 8) acc += load8(w + r * K + k) * load8(x + j * K + k);
-            y[j * N + r] = hsum(acc);
-        }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < mr; j++) y[j * N + r] = hsum(acc[r][j]);
 }
 
 void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
     #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NR) {
-        const int64_t nb = N - n0 < NR ? N - n0 : NR;
+        const int nb = N - n0 < NR ? (int)(N - n0) : NR;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mb = M - m0 < MR ? M - m0 : MR;
-            if (nb == NR && mb == MR)
-                block_full(x + m0 * K, w + n0 * K, y + m0 * N + n0, N, K);
-            else
-                block_rest(x + m0 * K, w + n0 * K, y + m0 * N + n0, N, K, nb, mb);
+            const int mb = M - m0 < MR ? (int)(M - m0) : MR;
+            const float *xb = x + m0 * K, *wb = w + n0 * K;
+            float *yb = y + m0 * N + n0;
+            if (nb == NR && mb == 3) block(xb, wb, yb, N, K, NR, 3);
+            else if (nb == NR && mb == 2) block(xb, wb, yb, N, K, NR, 2);
+            else if (nb == NR) block(xb, wb, yb, N, K, NR, 1);
+            else block(xb, wb, yb, N, K, nb, mb); /* the last rows of an N not divisible by NR */
         }
     }
 }
