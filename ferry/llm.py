@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 from ferry.config import EngineConfig
@@ -113,6 +114,4 @@ class LLM:
 
 def _nth(sp: SamplingParams, k: int) -> SamplingParams:
     """The k-th of n samples: its own seed (when seeded) so the samples differ but reproduce."""
-    from dataclasses import replace
-
     return replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)

@@ -30,6 +30,7 @@ def test_bad_requests_are_refused_and_others_still_served(llm):
     ("max_tokens", 0, ">= 1"), ("top_p", 0.0, r"in \(0, 1\]"), ("top_p", 1.5, r"in \(0, 1\]"),
     ("temperature", -1.0, ">= 0"), ("top_k", -5, ">= 1"), ("min_p", 2.0, r"in \[0, 1\]"),
     ("logprobs", 50, r"in \[0, 20\]"), ("n", 0, ">= 1"), ("presence_penalty", 3.0, r"\[-2, 2\]"),
+    ("repetition_penalty", 0.0, "> 0"), ("min_tokens", -1, ">= 0"),
 ])
 def test_invalid_sampling_values_name_the_field(field, value, allowed):
     with pytest.raises(ValueError, match=rf"{field} must be .*{allowed}"):

@@ -51,3 +51,15 @@ def test_static_scheduler_gives_the_same_tokens(parity_prompts, alone):
     static = LLM(scheduler="static", max_num_seqs=3)
     outs = static.generate(parity_prompts, SP, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_pure_torch_path_gives_the_same_tokens(llm, parity_prompts, alone):
+    """Without the C kernels (no compiler, or FERRY_NO_KERNELS=1) the model falls back to torch."""
+    model = llm.engine.executor.model
+    assert model.use_kernel, "the kernels should be built on this machine"
+    model.use_kernel = False
+    try:
+        outs = llm.generate(parity_prompts, SP, use_tqdm=False)
+    finally:
+        model.use_kernel = True
+    assert [o.outputs[0].token_ids for o in outs] == alone

@@ -61,3 +61,10 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
         LLM(model=str(tmp_path))
+
+
+def test_bfloat16_runs_on_the_embedded_model():
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25)
+    assert llm.engine.executor.kv_caches[0][0].dtype == torch.bfloat16
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
