@@ -23,11 +23,14 @@ static void one_request(const float *q, const float *k, const float *v, const in
         const float *kb = k + table[blk] * block_size * row;
         for (int64_t t = 0; t < n; t++) {
             const float *kj = kb + t * row;
-            for (int64_t hq = 0; hq < Hq; hq++) {
-                const float *qh = q + hq * D, *kh = kj + (hq / G) * D;
-                float s = 0.f;
-                for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
-                scores[hq * L + j0 + t] = s * scale;
+            for (int64_t h = 0, hq = 0; h < Hkv; h++) {
+                const float *kh = kj + h * D;
+                for (int64_t g = 0; g < G; g++, hq++) {
+                    const float *qh = q + hq * D;
+                    float s = 0.f;
+                    for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+                    scores[hq * L + j0 + t] = s * scale;
+                }
             }
         }
     }
@@ -46,10 +49,13 @@ static void one_request(const float *q, const float *k, const float *v, const in
         const float *vb = v + table[blk] * block_size * row;
         for (int64_t t = 0; t < n; t++) {
             const float *vj = vb + t * row;
-            for (int64_t hq = 0; hq < Hq; hq++) {
-                const float p = scores[hq * L + j0 + t], *vh = vj + (hq / G) * D;
-                float *oh = o + hq * D;
-                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+            for (int64_t h = 0, hq = 0; h < Hkv; h++) {
+                const float *vh = vj + h * D;
+                for (int64_t g = 0; g < G; g++, hq++) {
+                    const float p = scores[hq * L + j0 + t];
+                    float *oh = o + hq * D;
+                    for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+                }
             }
         }
     }
