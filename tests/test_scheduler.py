@@ -234,3 +234,26 @@ def test_stop_string_spanning_tokens_truncates_text(stop, expected):
     else:
         assert req.status.finish_reason == "stop" and req.stop_reason == stop
         assert req.output_text == expected
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on():
+    engine, ex = make_engine(num_blocks=64, max_num_batched_tokens=8)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    a = engine.add_request([1] * 8, sp, request_id="a")  # fills the first step's budget alone
+    real = ex.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(out)
+
+    engine.executor.execute = flaky
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["a"] and outs[0].outputs[0].finish_reason == "error"
+    assert "boom" in str(a.stop_reason) and "a" not in engine.kv.block_tables
+    b = engine.add_request([2] * 4, sp, request_id="b")
+    run_all(engine)
+    assert b.status.finish_reason == "length" and b.num_output_tokens == 3
+    assert engine.kv.pool.num_free == 64
