@@ -75,10 +75,6 @@ def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def kernel_available(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and load_kernels() is not None
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, use_kernel: bool = True) -> torch.Tensor:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferry.model.attention import AttentionMetadata, kernel_available, paged_attention
+from ferry.model.attention import AttentionMetadata, paged_attention
 from ferry.model.config import ModelConfig
-from ferry.model.kernels import load_kernels
+from ferry.model.kernels import kernels_usable, load_kernels
 
 
 @dataclass
@@ -135,7 +135,7 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.use_kernel = kernel_available(dtype)
+        self.use_kernel = kernels_usable(dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -149,12 +149,12 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias, kern)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, use_kernel=kern)
             # q and k sit side by side in qkv: rotate them in one pass.
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, hd)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.use_kernel)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern)
             x = x + linear(o, layer.o_proj, use_kernel=kern)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)

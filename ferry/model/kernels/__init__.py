@@ -1,8 +1,8 @@
-"""Two small C kernels (paged decode attention, skinny GEMM), built once with the system C compiler and loaded with ctypes.
+"""Two small C kernels, paged decode attention and skinny GEMM, loaded with ctypes.
 
-No torch headers are needed, so the build takes about a second; the shared
-library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
-OpenMP comes from the libgomp that torch itself loads, so the kernel and torch
+They are built once with the system C compiler. No torch headers are needed, so
+the build takes about a second; the shared library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
+OpenMP comes from the libgomp that torch itself loads, so the kernels and torch
 share one thread pool instead of two pools fighting over the cores. Without a
 compiler (or without that libgomp) callers fall back to the pure-torch path.
 """
@@ -48,11 +48,11 @@ def load_kernels() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     cc = cc.split()[0]
     if shutil.which(cc) is None:
-        log.warning("no C compiler (%s): using the torch attention path", cc)
+        log.warning("no C compiler (%s): using the pure-torch path", cc)
         return None
     gomp = _torch_libgomp()
     if gomp is None:
-        log.warning("torch ships no libgomp here: using the torch attention path")
+        log.warning("torch ships no libgomp here: using the pure-torch path")
         return None
     link = [f"-Wl,-rpath,{gomp.parent}", str(gomp), "-lm"]
     text = b"".join(src.read_bytes() for src in SOURCES)
@@ -72,7 +72,7 @@ def load_kernels() -> ctypes.CDLL | None:
             for obj in objs:
                 obj.unlink()
         except (subprocess.CalledProcessError, OSError) as e:
-            log.warning("could not build the attention kernel (%s): using the torch path",
+            log.warning("could not build the kernels (%s): using the pure-torch path",
                         getattr(e, "stderr", e))
             return None
         tmp.replace(lib)
@@ -83,3 +83,10 @@ def load_kernels() -> ctypes.CDLL | None:
     so.skinny_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.skinny_gemm.restype = None
     return so
+
+
+def kernels_usable(dtype) -> bool:
+    """True when the kernels can serve a model of ``dtype`` (they are float32 only)."""
+    import torch
+
+    return dtype == torch.float32 and load_kernels() is not None
