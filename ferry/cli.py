@@ -1,12 +1,13 @@
-"""The one ``ferry`` command: generate, chat, demo."""
+"""The one ``ferry`` command: generate, chat, demo, bench."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
 import time
-from typing import Any, get_args
+from typing import Any, Callable
 
+from ferry.bench.commands import add_bench_parsers
 from ferry.config import EngineConfig
 
 DEMO_QUESTIONS = [
@@ -25,17 +26,25 @@ DEMO_QUESTIONS = [
 ]
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as --kebab-case, with vLLM's names."""
-    g = p.add_argument_group("engine settings")
+def add_engine_args(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> None:
+    """Every EngineConfig field as --kebab-case, with vLLM's names.
+
+    Settings named in ``lists`` take comma-separated values (a sweep's grid), kept as text.
+    """
+    g = p.add_argument_group("engine settings" + (" (comma-separated lists allowed: "
+                                                  + ", ".join(lists) + ")" if lists else ""))
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if f.type in ("bool", bool) or isinstance(default, bool):
+        if f.name in lists:
+            text = str(default).lower() if isinstance(default, bool) else str(default)
+            g.add_argument(flag, dest=f.name, default=text, metavar="V1,V2,...")
+        elif f.type in ("bool", bool) or isinstance(default, bool):
             g.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction)
         else:
             kind = _arg_type(f.type, default)
             g.add_argument(flag, dest=f.name, default=default, type=kind, metavar=f.name.upper())
+    p.set_defaults(list_settings=lists)
 
 
 def _arg_type(annotation: Any, default: Any):
@@ -48,7 +57,17 @@ def _arg_type(annotation: Any, default: Any):
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name not in getattr(args, "list_settings", ())}
+
+
+def with_engine_config(handler: Callable[[argparse.Namespace, EngineConfig], int]) -> Callable[[argparse.Namespace], int]:
+    """Build the EngineConfig from the flags (list-valued ones go to ``args.sweep``), then run."""
+    def run(args: argparse.Namespace) -> int:
+        args.sweep = {name: getattr(args, name) for name in args.list_settings}
+        return handler(args, EngineConfig.from_kwargs(**engine_kwargs(args)))
+
+    return run
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -124,29 +143,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from statistics import median
-
-    from ferry import LLM
-    from ferry.bench.offline import run_offline
-    from ferry.bench.workload import load_workload
-
-    reqs = load_workload(args.workload)
-    llm = LLM(**engine_kwargs(args))
-    print(f"startup {llm.startup_seconds:.2f} s; {len(reqs)} requests; scheduler={args.scheduler}")
-    runs = []
-    for i in range(args.num_runs):
-        s = run_offline(llm, reqs, use_tqdm=not args.no_progress)
-        runs.append(s)
-        print(f"run {i + 1}: {s.duration:.2f} s, {s.output_throughput:.1f} output tok/s, "
-              f"{s.num_preemptions} preemptions")
-    if args.num_runs > 1:
-        print(f"median of {args.num_runs}: {median(r.duration for r in runs):.2f} s, "
-              f"{median(r.output_throughput for r in runs):.1f} output tok/s")
-    print("\n".join(runs[-1].lines()))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,13 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    p = bench.add_parser("offline", help="a workload submitted all at once (ignore_eos)")
-    p.add_argument("--workload", required=True, help="JSON file of requests (see shared/workloads)")
-    p.add_argument("--num-runs", type=int, default=1, help="repeat on the same engine, report the median")
-    p.add_argument("--no-progress", action="store_true")
-    add_engine_args(p)
-    p.set_defaults(func=cmd_bench_offline)
+    add_bench_parsers(sub, add_engine_args, with_engine_config)
     return parser
 
 

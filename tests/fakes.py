@@ -27,3 +27,37 @@ class FakeExecutor:
                 assert end == r.num_tokens
                 res.sampled[r.request_id] = (sum(r.all_token_ids) * 31 + r.num_tokens) % self.vocab_size
         return res
+
+
+class TimedFakeExecutor(FakeExecutor):
+    """A FakeExecutor on a ManualClock: each step takes ``base + per_token * tokens`` seconds."""
+
+    def __init__(self, clock, base: float = 0.01, per_token: float = 0.001, **kw) -> None:
+        super().__init__(**kw)
+        self.clock = clock
+        self.base = base
+        self.per_token = per_token
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.clock.advance(self.base + self.per_token * out.total_num_scheduled_tokens)
+        return super().execute(out)
+
+
+class FakeEngineFactory:
+    """Engines over TimedFakeExecutors sharing one ManualClock (bench code without a model)."""
+
+    def __init__(self, num_kv_blocks: int = 400, max_model_len: int = 4096) -> None:
+        from ferry.engine.clock import ManualClock
+
+        self.clock = ManualClock()
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+
+    def engine(self, config):
+        from dataclasses import replace
+
+        from ferry.engine.llm_engine import LLMEngine
+
+        if config.max_model_len is None:
+            config = replace(config, max_model_len=self.max_model_len)
+        return LLMEngine(config, TimedFakeExecutor(self.clock), self.num_kv_blocks, clock=self.clock)

@@ -1,17 +1,21 @@
-"""Benchmark workloads: JSON files of requests with prompt_token_ids and max_tokens."""
+"""Benchmark workloads: JSON files of requests, synthetic lengths, and arrival times."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+import random
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 
 
 @dataclass
 class WorkloadRequest:
     prompt_token_ids: list[int]
     max_tokens: int
-    arrival_time: float = 0.0
-    priority: int = 0
+    arrival_time: float = 0.0  # seconds from the start of the run
+    priority: int = 0  # lower is more urgent (scheduling_policy="priority")
 
 
 def load_workload(path: str | Path) -> list[WorkloadRequest]:
@@ -25,3 +29,69 @@ def load_workload(path: str | Path) -> list[WorkloadRequest]:
         out.append(WorkloadRequest(list(r["prompt_token_ids"]), int(r["max_tokens"]),
                                    float(r.get("arrival_time", 0.0)), int(r.get("priority", 0))))
     return out
+
+
+def save_workload(requests: list[WorkloadRequest], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"requests": [
+        {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
+         "arrival_time": r.arrival_time, "priority": r.priority} for r in requests]}))
+
+
+def sample_lengths(n: int, mean: int, dist: str, rng: random.Random, range_ratio: float = 0.5,
+                   sigma: float = 1.0, max_len: int | None = None) -> list[int]:
+    """``n`` lengths >= 1 around ``mean``.
+
+    fixed: all ``mean``; uniform: in [mean * (1 - range_ratio), mean * (1 + range_ratio)];
+    lognormal: a long tail with that mean and shape ``sigma``, clipped to ``max_len``.
+    """
+    if dist not in LENGTH_DISTRIBUTIONS:
+        raise ValueError(f"length distribution must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, got {dist!r}")
+    if mean < 1:
+        raise ValueError(f"mean length must be >= 1, got {mean}")
+    if dist == "fixed":
+        lens = [mean] * n
+    elif dist == "uniform":
+        if not 0 <= range_ratio < 1:
+            raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+        lo, hi = max(1, round(mean * (1 - range_ratio))), round(mean * (1 + range_ratio))
+        lens = [rng.randint(lo, hi) for _ in range(n)]
+    else:
+        mu = math.log(mean) - sigma ** 2 / 2  # so that E[length] = mean
+        lens = [max(1, round(rng.lognormvariate(mu, sigma))) for _ in range(n)]
+    return [min(x, max_len) for x in lens] if max_len else lens
+
+
+def synthetic_workload(num_prompts: int, input_len: int, output_len: int, input_dist: str = "fixed",
+                       output_dist: str = "fixed", range_ratio: float = 0.5, sigma: float = 1.0,
+                       seed: int = 0, vocab_size: int = 32000, max_len: int | None = None) -> list[WorkloadRequest]:
+    """Random-token prompts with lengths from the named distributions (content does not matter
+    with ignore_eos: only the lengths shape the schedule)."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    ins = sample_lengths(num_prompts, input_len, input_dist, rng, range_ratio, sigma, max_len)
+    outs = sample_lengths(num_prompts, output_len, output_dist, rng, range_ratio, sigma, max_len)
+    # Skip the lowest ids: special tokens live there in most vocabularies.
+    lo = min(100, vocab_size - 1)
+    return [WorkloadRequest([rng.randrange(lo, vocab_size) for _ in range(i)], o) for i, o in zip(ins, outs)]
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival times (s) of a Poisson process of ``rate`` requests/s; ``inf`` puts all at 0."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def with_request_rate(requests: list[WorkloadRequest], rate: float | None, seed: int = 0) -> list[WorkloadRequest]:
+    """Give the requests Poisson arrival times; ``None`` keeps the workload's own arrival_time."""
+    if rate is None:
+        return list(requests)
+    return [replace(r, arrival_time=t) for r, t in zip(requests, poisson_arrivals(len(requests), rate, seed))]

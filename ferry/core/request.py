@@ -70,6 +70,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens whose KV was computed, dropped by preemption, computed again
     output_text: str = ""
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)

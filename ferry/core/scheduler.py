@@ -165,6 +165,7 @@ class Scheduler:
         """Recompute-style preemption: free blocks, forget progress, back to the queue head."""
         self.running.remove(req)
         self.kv.free(req)
+        req.num_recomputed_tokens += req.num_computed_tokens  # work that will be done again
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -11,6 +11,12 @@ class WallClock:
     def __call__(self) -> float:
         return time.perf_counter()
 
+    def sleep_until(self, t: float) -> None:
+        """Wait (really) until the clock reads ``t``."""
+        delay = t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
 
 class ManualClock:
     """A clock that only moves when told to (tests, simulation)."""
@@ -23,3 +29,7 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+    def sleep_until(self, t: float) -> None:
+        """Jump to ``t`` (an idle engine waiting for the next arrival costs no real time)."""
+        self.now = max(self.now, t)

@@ -44,11 +44,14 @@ class LLMEngine:
         self.step_stats: list[StepStats] = []
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        """Load the model named by ``config`` and build an engine around it."""
-        from ferry.executor.model_executor import ModelExecutor  # torch lives there
+    def from_config(cls, config: EngineConfig, executor: Any = None) -> "LLMEngine":
+        """Load the model named by ``config`` (or reuse a loaded ``executor``) and build an engine."""
+        if executor is None:
+            from ferry.executor.model_executor import ModelExecutor  # torch lives there
 
-        executor = ModelExecutor(config)
+            executor = ModelExecutor(config)
+        if config.max_model_len is None:
+            config.max_model_len = executor.max_model_len
         return cls(config, executor, executor.num_kv_blocks, tokenizer=executor.tokenizer,
                    eos_token_id=executor.eos_token_id)
 
@@ -108,18 +111,28 @@ class LLMEngine:
         return [RequestOutput.from_request(r) for r in changed]
 
     def _record_step(self, out: SchedulerOutput, start: float) -> None:
-        decode = prefill = padding = 0
+        kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}
+        tokens = dict.fromkeys(kinds, 0)
         for c in out.chunks:
             if c.padding:
-                padding += c.num_tokens
+                kind = "padding"
             elif c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
-                decode += 1
+                kind = "decode"
             else:
-                prefill += c.num_tokens
+                kind = "prefill"
+            kinds[kind].append(c.request.request_id)
+            tokens[kind] += c.num_tokens
         self.step_stats.append(StepStats(
-            start=start, duration=self.clock() - start, num_prefill_tokens=prefill,
-            num_decode_tokens=decode, num_padding_tokens=padding, num_requests=len(out.chunks),
-            num_kv_blocks_used=out.num_kv_blocks_used, num_preempted=len(out.preempted_req_ids)))
+            start=start, duration=self.clock() - start, num_prefill_tokens=tokens["prefill"],
+            num_decode_tokens=tokens["decode"], num_padding_tokens=tokens["padding"],
+            num_requests=len(out.chunks), num_kv_blocks_used=out.num_kv_blocks_used,
+            num_preempted=len(out.preempted_req_ids), prefill_ids=tuple(kinds["prefill"]),
+            decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
+            preempted_ids=tuple(out.preempted_req_ids)))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
 
     @property
     def num_preemptions(self) -> int:

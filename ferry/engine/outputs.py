@@ -14,8 +14,9 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
-    token_times: list[float]
+    token_times: list[float]  # when each output token was produced
     num_preemptions: int
+    num_recomputed_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -31,10 +32,20 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """(last token - first token) / (output tokens - 1); None with fewer than 2 tokens."""
+        """Time per output token after the first: (last token - first token) / (tokens - 1).
+
+        For a request that finished at its last token this is (e2e - ttft) / (tokens - 1).
+        None with fewer than 2 tokens (no gap to average), as serving benchmarks do.
+        """
         if len(self.token_times) < 2:
             return None
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        """Every inter-token latency: the gaps between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
 
 
 @dataclass
@@ -69,5 +80,6 @@ class RequestOutput:
                 logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None)],
             finished=req.is_finished,
             metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished,
-                                   list(t.token_times), req.num_preemptions),
+                                   list(t.token_times), req.num_preemptions,
+                                   req.num_recomputed_tokens),
         )

@@ -1,16 +1,26 @@
 """What each step did, recorded by the engine for metrics and plots."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class StepStats:
     start: float
     duration: float
-    num_prefill_tokens: int  # tokens of chunks that are not single-token decodes
+    num_prefill_tokens: int  # tokens of chunks that are not single-token decodes (recompute included)
     num_decode_tokens: int
-    num_padding_tokens: int  # static batching: slots spent on finished requests
+    num_padding_tokens: int  # static batching: idle slot-steps, spent recomputing finished requests
     num_requests: int
     num_kv_blocks_used: int
     num_preempted: int
+    # Who was in the step and how: the request timeline is drawn from these.
+    prefill_ids: tuple[str, ...] = field(default=(), repr=False)
+    decode_ids: tuple[str, ...] = field(default=(), repr=False)
+    padding_ids: tuple[str, ...] = field(default=(), repr=False)
+    preempted_ids: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots computed in this step, padding included."""
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_padding_tokens

@@ -38,6 +38,7 @@ class ModelExecutor:
             raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         weights = dummy_weights(cfg, config.seed) if config.load_format == "dummy" else load_safetensors(model_dir)
+        self.max_model_len = config.max_model_len
         self.model = LlamaModel(cfg, weights, dtype, config.max_model_len)
         del weights
         self.model_config = cfg

@@ -1,0 +1,196 @@
+"""``ferry bench offline | online | sweep | seed``: the command-line side of the benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable
+
+from ferry.bench.seed_experiments import DEFAULT_MIXED
+from ferry.bench.workload import LENGTH_DISTRIBUTIONS, WorkloadRequest, load_workload, synthetic_workload
+from ferry.config import EngineConfig
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (a file, or synthetic lengths; --seed seeds both)")
+    g.add_argument("--workload", help="JSON file of requests with prompt_token_ids and max_tokens")
+    g.add_argument("--num-prompts", type=int, help="synthetic: number of requests")
+    g.add_argument("--input-len", type=int, default=256, help="synthetic: mean prompt length")
+    g.add_argument("--output-len", type=int, default=128, help="synthetic: mean output length")
+    g.add_argument("--input-dist", choices=LENGTH_DISTRIBUTIONS, default="fixed")
+    g.add_argument("--output-dist", choices=LENGTH_DISTRIBUTIONS, default="fixed")
+    g.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths within mean*(1 +- r)")
+    g.add_argument("--sigma", type=float, default=1.0, help="lognormal: shape (larger, longer tail)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-json", help="write the results here as JSON")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def workload_from_args(args: argparse.Namespace, vocab_size: int = 32000) -> list[WorkloadRequest]:
+    if args.workload and args.num_prompts:
+        raise ValueError("give either --workload or --num-prompts, not both")
+    if args.workload:
+        return load_workload(args.workload)
+    if not args.num_prompts:
+        raise ValueError("give a workload: --workload FILE or --num-prompts N (synthetic)")
+    return synthetic_workload(args.num_prompts, args.input_len, args.output_len, args.input_dist,
+                              args.output_dist, args.range_ratio, args.sigma, args.seed, vocab_size)
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, default=_json_default))
+        print(f"wrote {path}")
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    return str(v)
+
+
+def cmd_bench_run(args: argparse.Namespace, config: EngineConfig) -> int:
+    """offline and online: one configuration, ``--num-runs`` times on the same engine."""
+    from ferry.bench.plots import plot_cdfs, plot_run
+    from ferry.bench.runner import EngineFactory, run_workload
+    from ferry.bench.workload import with_request_rate
+
+    online = args.bench_command == "online"
+    engine = EngineFactory().engine(config)
+    reqs = workload_from_args(args, getattr(engine.executor, "vocab_size", 32000))
+    rate = args.request_rate if online else float("inf")
+    if online and rate is None and not any(r.arrival_time for r in reqs):
+        print("note: the workload has no arrival_time and no --request-rate was given: all arrive at once")
+    reqs = with_request_rate(reqs, rate, args.seed)
+    print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
+          f"{sum(r.max_tokens for r in reqs)} output tokens; scheduler={config.scheduler}, "
+          f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")
+    label = f"{config.scheduler}" + (f", rate={args.request_rate}" if online and args.request_rate else "")
+    runs = []
+    for i in range(args.num_runs):
+        run = run_workload(engine, reqs, label=label, progress=not args.no_progress,
+                           extra={"request_rate": "workload" if rate is None else rate})
+        runs.append(run)
+        m = run.metrics
+        print(f"run {i + 1}: {m.duration:.2f} s, {m.output_throughput:.1f} output tok/s, "
+              f"{m.num_preemptions} preemptions")
+    mid = sorted(runs, key=lambda r: r.metrics.duration)[len(runs) // 2]
+    if len(runs) > 1:
+        print(f"median of {len(runs)}: {median(r.metrics.duration for r in runs):.2f} s, "
+              f"{median(r.metrics.output_throughput for r in runs):.1f} output tok/s (table: the median run)")
+    print("\n".join(mid.metrics.lines()))
+    _write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs]})
+    if args.plot:
+        paths = plot_run(mid, args.plot, args.bench_command)
+        plot_cdfs([mid], Path(args.plot) / f"{args.bench_command}-cdf.png")
+        print(f"plots in {args.plot}: {', '.join(p.name for p in paths.values())}, {args.bench_command}-cdf.png")
+    return 0
+
+
+def cmd_bench_sweep(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.plots import plot_cdfs, plot_sweep
+    from ferry.bench.runner import EngineFactory, engine_config
+    from ferry.bench.sweep import SWEEPABLE, best_under_slo, meets_slo, parse_list, parse_rate, parse_slo, run_sweep
+
+    slo = parse_slo(args.slo)
+    parsed = {name: parse_list(name, text, SWEEPABLE[name]) for name, text in args.sweep.items()}
+    config = engine_config(config, **{k: v[0] for k, v in parsed.items() if len(v) == 1})
+    grid = {k: v for k, v in parsed.items() if len(v) > 1}
+    rates: list[float | None] = [None] if args.request_rate is None else \
+        parse_list("request_rate", args.request_rate, parse_rate)
+    factory = EngineFactory()
+    engine0 = factory.engine(config)
+    reqs = workload_from_args(args, getattr(engine0.executor, "vocab_size", 32000))
+    runs, skipped = run_sweep(config, reqs, grid, rates, args.seed, factory, progress=not args.no_progress)
+    points = [r.to_dict() for r in runs]
+    best = best_under_slo(points, slo) if slo else None
+    print(f"{'configuration':<60}{'out tok/s':>10}{'p99 TTFT':>10}{'p99 TPOT':>10}  SLO")
+    for p in points:
+        mark = ("ok" if meets_slo(p, slo) else "miss") if slo else ""
+        if best is p:
+            mark += "  <- best"
+        print(f"{p['label']:<60}{p['output_throughput']:>10.1f}{_ms(p['p99_ttft_ms']):>10}"
+              f"{_ms(p['p99_tpot_ms']):>10}  {mark}")
+    for s in skipped:
+        print(f"skipped {s}")
+    if slo and best is None:
+        print("no configuration meets the SLO")
+    _write_json(args.output_json, {"grid": grid, "request_rates": rates, "slo": slo,
+                                   "best": None if best is None else best["label"],
+                                   "skipped": skipped, "points": points})
+    if args.plot:
+        vary = "request_rate" if len(rates) > 1 else next(iter(grid), "label")
+        group_by = [k for k in grid if k != vary]
+        plot_sweep(points, Path(args.plot) / "sweep.png", group_by, vary, slo, best)
+        plot_cdfs(runs, Path(args.plot) / "sweep-cdf.png")
+        print(f"plots in {args.plot}: sweep.png, sweep-cdf.png")
+    return 0
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
+def cmd_bench_seed(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.seed_experiments import run_seed_experiments
+
+    report = run_seed_experiments(config, args.out, quick=args.quick, progress=not args.no_progress,
+                                  mixed_path=args.mixed_workload)
+    print(f"wrote {report}")
+    return 0
+
+
+def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
+                      run: Callable[[Callable[[argparse.Namespace, EngineConfig], int]], Any]) -> None:
+    """Register ``ferry bench ...``; ``run(handler)`` wraps a handler with the engine config."""
+    from ferry.bench.sweep import SWEEPABLE
+
+    bench = sub.add_parser("bench", help="benchmarks, sweeps, plots and the seed's experiments")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, text in (("offline", "every request submitted at once (ignore_eos)"),
+                       ("online", "requests arrive over time (Poisson --request-rate, or the workload's "
+                                  "arrival_time) into the engine while it steps")):
+        p = bsub.add_parser(name, help=text, description=text)
+        add_workload_args(p)
+        if name == "online":
+            p.add_argument("--request-rate", type=parse_rate_arg, default=None,
+                           help="requests/s, Poisson (seeded by --seed); inf = all at once")
+        p.add_argument("--num-runs", type=int, default=1, help="repeat on the same engine; report the median")
+        add_output_args(p)
+        add_engine_args(p)
+        p.set_defaults(func=run(cmd_bench_run))
+    p = bsub.add_parser("sweep", help="a grid of settings and rates; throughput vs p99 latency; SLO pick",
+                        description="Comma-separated values for any of: " + ", ".join(
+                            "--" + k.replace("_", "-") for k in SWEEPABLE))
+    add_workload_args(p)
+    p.add_argument("--request-rate", help="comma-separated rates (requests/s, inf = all at once)")
+    p.add_argument("--slo", help="e.g. ttft_p99=2000,tpot_p99=100 (ms): mark the best configuration within it")
+    add_output_args(p)
+    add_engine_args(p, lists=tuple(SWEEPABLE))
+    p.set_defaults(func=run(cmd_bench_sweep))
+    p = bsub.add_parser("seed", help="the seed's experiments (a)-(d) on this engine: DIR/report.md and plots")
+    p.add_argument("--out", required=True, help="directory for report.md and the plots")
+    p.add_argument("--quick", action="store_true", help="small versions of every experiment (a minute)")
+    p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED),
+                   help="the mixed-lengths workload of experiment (a) (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=run(cmd_bench_seed))
+
+
+def parse_rate_arg(text: str) -> float:
+    from ferry.bench.sweep import parse_rate
+
+    try:
+        rate = parse_rate(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"request rate must be a number or inf, got {text!r}") from None
+    if rate <= 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0, got {text!r}")
+    return rate
