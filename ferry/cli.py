@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ferry.bench.commands import add_bench_parsers
 from ferry.config import EngineConfig
+from ferry.sim.commands import add_sim_parsers
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
     add_bench_parsers(sub, add_engine_args, with_engine_config)
+    add_sim_parsers(sub, add_engine_args, with_engine_config)
     return parser
 
 

@@ -55,14 +55,15 @@ def _json_default(v: Any) -> Any:
     return str(v)
 
 
-def cmd_bench_run(args: argparse.Namespace, config: EngineConfig) -> int:
-    """offline and online: one configuration, ``--num-runs`` times on the same engine."""
+def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any = None) -> int:
+    """offline and online (and ``ferry simulate``, with a simulated factory): one configuration,
+    ``--num-runs`` times on the same engine."""
     from ferry.bench.plots import plot_cdfs, plot_run
     from ferry.bench.runner import EngineFactory, run_workload
     from ferry.bench.workload import with_request_rate
 
-    online = args.bench_command == "online"
-    engine = EngineFactory().engine(config)
+    online = args.bench_command != "offline"
+    engine = (factory or EngineFactory()).engine(config)
     reqs = workload_from_args(args, getattr(engine.executor, "vocab_size", 32000))
     rate = args.request_rate if online else float("inf")
     if online and rate is None and not any(r.arrival_time for r in reqs):
@@ -71,7 +72,7 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
           f"{sum(r.max_tokens for r in reqs)} output tokens; scheduler={config.scheduler}, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")
-    label = f"{config.scheduler}" + (f", rate={args.request_rate}" if online and args.request_rate else "")
+    label = f"{config.scheduler}" + (f", rate={args.request_rate:g}" if online and args.request_rate else "")
     runs = []
     for i in range(args.num_runs):
         run = run_workload(engine, reqs, label=label, progress=not args.no_progress,
@@ -95,13 +96,13 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def cmd_bench_sweep(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.plots import plot_cdfs, plot_sweep
-    from ferry.bench.runner import EngineFactory, engine_config
-    from ferry.bench.sweep import SWEEPABLE, best_under_slo, meets_slo, parse_list, parse_rate, parse_slo, run_sweep
+    from ferry.bench.runner import EngineFactory
+    from ferry.bench.sweep import (SWEEPABLE, best_under_slo, meets_slo, parse_list, parse_rate, parse_slo, run_sweep,
+                                   split_grid)
 
     slo = parse_slo(args.slo)
-    parsed = {name: parse_list(name, text, SWEEPABLE[name]) for name, text in args.sweep.items()}
-    config = engine_config(config, **{k: v[0] for k, v in parsed.items() if len(v) == 1})
-    grid = {k: v for k, v in parsed.items() if len(v) > 1}
+    config, grid = split_grid(config, {name: parse_list(name, text, SWEEPABLE[name])
+                                       for name, text in args.sweep.items()})
     rates: list[float | None] = [None] if args.request_rate is None else \
         parse_list("request_rate", args.request_rate, parse_rate)
     factory = EngineFactory()

@@ -81,7 +81,7 @@ def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str 
                                request_id=f"{prefix}{i}", arrival_time=t0 + r.arrival_time, priority=r.priority)
             nxt += 1
         n_steps = len(engine.step_stats)
-        for out in engine.step():
+        for out in engine.step(finished_only=True):
             if out.finished:
                 final[out.request_id] = out
                 if bar is not None:

@@ -73,6 +73,12 @@ def best_under_slo(points: list[dict[str, Any]], slo: dict[str, float]) -> dict[
     return max(ok, key=lambda p: p["output_throughput"]) if ok else None
 
 
+def split_grid(base: EngineConfig, values: dict[str, list[Any]]) -> tuple[EngineConfig, dict[str, list[Any]]]:
+    """Settings with one value go into the base config; those with several form the grid."""
+    base = engine_config(base, **{k: v[0] for k, v in values.items() if len(v) == 1})
+    return base, {k: v for k, v in values.items() if len(v) > 1}
+
+
 def grid_configs(base: EngineConfig, grid: dict[str, list[Any]]) -> list[EngineConfig]:
     """Every combination of the grid's values. The static baseline ignores the token budget
     and chunking, so it runs once per remaining combination."""

@@ -14,26 +14,21 @@ from ferry.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "finished_stopped"
-    FINISHED_LENGTH = "finished_length"
-    FINISHED_ABORTED = "finished_aborted"
-    FINISHED_ERROR = "finished_error"
+    """Where a request is; the finished ones carry the OpenAI-style finish_reason."""
 
-    @property
-    def finished(self) -> bool:
-        return self.value.startswith("finished")
+    WAITING = ("waiting", None)
+    RUNNING = ("running", None)
+    PREEMPTED = ("preempted", None)
+    FINISHED_STOPPED = ("finished_stopped", "stop")
+    FINISHED_LENGTH = ("finished_length", "length")
+    FINISHED_ABORTED = ("finished_aborted", "abort")
+    FINISHED_ERROR = ("finished_error", "error")
 
-    @property
-    def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "error",
-        }.get(self)
+    def __init__(self, label: str, finish_reason: str | None) -> None:
+        # Plain attributes, not properties: the scheduler reads them for every request every step.
+        self.label = label
+        self.finish_reason = finish_reason
+        self.finished = finish_reason is not None
 
 
 class Detokenizer(Protocol):

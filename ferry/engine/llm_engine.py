@@ -94,8 +94,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that got a token or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got a token or finished
+        (only those that finished with ``finished_only``: a benchmark needs no stream)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -108,7 +109,7 @@ class LLMEngine:
             result = ModelRunnerOutput(errors={c.request.request_id: msg for c in out.chunks})
         changed = self.scheduler.update_from_output(out, result)
         self._record_step(out, start)
-        return [RequestOutput.from_request(r) for r in changed]
+        return [RequestOutput.from_request(r) for r in changed if r.is_finished or not finished_only]
 
     def _record_step(self, out: SchedulerOutput, start: float) -> None:
         kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}

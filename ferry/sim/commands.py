@@ -1,0 +1,184 @@
+"""``ferry simulate [run|calibrate|seed]`` and ``ferry tune``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+from ferry.config import EngineConfig
+
+
+def _factory(args: argparse.Namespace):
+    from ferry.sim.engine import SimEngineFactory
+    from ferry.sim.hardware import load_hardware
+    from ferry.sim.models import load_model_config
+
+    return SimEngineFactory(load_model_config(args.model or "smollm2-135m"), load_hardware(args.hardware),
+                            args.tensor_parallel_size, args.gpu_memory_utilization)
+
+
+def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
+    action = args.action or "run"
+    if action == "calibrate":
+        return _calibrate(args, config)
+    factory = _factory(args)
+    if action == "seed":
+        from ferry.bench.seed_experiments import GPU, QUICK, run_seed_experiments
+
+        if not args.out:
+            raise ValueError("ferry simulate seed needs --out DIR")
+        report = run_seed_experiments(
+            config, args.out, progress=False, factory=factory, mixed_path=args.mixed_workload,
+            scale=QUICK if args.quick else GPU,
+            title=f"ferry simulate: the seed's experiments, {args.model or 'smollm2-135m'} on "
+                  f"{args.tensor_parallel_size} x {factory.hw.name} (simulated)")
+        print(f"wrote {report}")
+        return 0
+    from ferry.bench.commands import cmd_bench_run
+
+    args.bench_command = "simulate"
+    print(f"simulating {args.model or 'smollm2-135m'} on {args.tensor_parallel_size} x {factory.hw.name}: "
+          f"{factory.num_kv_blocks(config)} KV blocks of {config.block_size} tokens")
+    return cmd_bench_run(args, config, factory)
+
+
+def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.executor.model_executor import ModelExecutor
+    from ferry.sim.calibrate import calibration_shapes, fit_profile, measure_steps
+
+    if args.model in _sim_presets():
+        config = dataclasses.replace(config, model=None)  # calibration runs the real model: the embedded one
+    executor = ModelExecutor(config)
+    shapes = calibration_shapes(executor.num_kv_blocks * executor.block_size)
+    samples = measure_steps(executor, shapes, reps=args.reps, progress=not args.no_progress)
+    dtype_bytes = {"float32": 4}.get(config.dtype, 2)
+    name = f"calibrated-{socket.gethostname()}-{config.dtype}"
+    hw, err = fit_profile(executor.model_config, samples, name, dtype_bytes,
+                          memory_gb=config.kv_cache_memory_gb, kv_cache_memory_gb=config.kv_cache_memory_gb)
+    out = Path(args.out or "ferry-profile.json")
+    hw.save(out)
+    if args.samples_json:
+        Path(args.samples_json).write_text(json.dumps([{"shape": s.shape, "seconds": s.seconds} for s in samples]))
+    print(f"{len(samples)} step shapes measured; fit: linear {hw.flops / 1e9:.1f} GFLOP/s, attention "
+          f"{hw.attn_flops / 1e9:.1f} GFLOP/s, memory {hw.bandwidth / 1e9:.1f} GB/s, "
+          f"step overhead {hw.step_overhead_ms:.2f} ms, per request {hw.per_request_overhead_ms:.3f} ms; "
+          f"median error {err:.1%}")
+    print(f"wrote {out}: use it with --hardware {out}")
+    return 0
+
+
+def _sim_presets() -> tuple[str, ...]:
+    from ferry.sim.models import PRESETS
+
+    return PRESETS
+
+
+def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.commands import workload_from_args
+    from ferry.bench.plots import plot_sweep
+    from ferry.bench.runner import EngineFactory, engine_config, run_workload
+    from ferry.bench.sweep import SWEEPABLE, parse_list, parse_slo, split_grid
+    from ferry.bench.workload import with_request_rate
+    from ferry.sim.tune import TUNE_GRID, ranked_within_slo, tune
+
+    slo = parse_slo(args.slo)
+    if not slo:
+        raise ValueError("ferry tune needs --slo, e.g. --slo ttft_p99=2000,tpot_p99=100 (milliseconds)")
+    factory = _factory(args)
+    reqs = workload_from_args(args, factory.model.vocab_size)
+    if config.max_model_len is None:  # long enough for the workload, so chunking-off configs are comparable
+        need = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+        config = engine_config(config, max_model_len=min(factory.model.max_position_embeddings, need))
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    grid = dict(TUNE_GRID)
+    for name, text in args.sweep.items():  # settings the user gave replace the default grid's
+        if text != (str(defaults[name]).lower() if isinstance(defaults[name], bool) else str(defaults[name])):
+            grid[name] = parse_list(name, text, SWEEPABLE[name])
+    config, grid = split_grid(config, grid)
+    res = tune(config, reqs, args.request_rate, slo, factory, grid, progress=False)
+    print(f"{len(res.points)} configurations simulated on {factory.hw.name}"
+          + (f", {len(res.skipped)} skipped (chunking off needs max_num_batched_tokens >= max_model_len "
+             f"{config.max_model_len})" if res.skipped else ""))
+    print(f"frontier (no configuration is better on throughput, p99 TTFT and p99 TPOT at once):")
+    print(f"{'configuration':<72}{'out tok/s':>10}{'p99 TTFT':>10}{'p99 TPOT':>10}")
+    for p in res.frontier:
+        mark = "  <- best within SLO" if p is res.best else ""
+        print(f"{p['label']:<72}{p['output_throughput']:>10.1f}{p['p99_ttft_ms']:>10.1f}{p['p99_tpot_ms']:>10.1f}{mark}")
+    if res.best is None:
+        print(f"no configuration meets the SLO {args.slo}")
+    elif res.best not in res.frontier:
+        print(f"best within SLO: {res.best['label']}")
+    if args.plot:
+        vary = "max_num_batched_tokens" if "max_num_batched_tokens" in grid else next(iter(grid))
+        plot_sweep(res.points, Path(args.plot) / "tune.png", [k for k in grid if k != vary], vary, slo, res.best)
+        print(f"plot: {Path(args.plot) / 'tune.png'}")
+    verified = []
+    if args.verify:
+        real = EngineFactory()
+        rated = with_request_rate(reqs, args.request_rate, args.seed)
+        print(f"\nverifying the top {args.verify} on the real engine ({args.verify_model or 'embedded model'}):")
+        for p in ranked_within_slo(res.points, slo)[:args.verify]:
+            cfg = engine_config(config, model=args.verify_model, **{k: p[k] for k in grid})
+            m = run_workload(real.engine(cfg), rated, label=p["label"], progress=not args.no_progress).metrics
+            d = m.to_dict()
+            verified.append({"label": p["label"], "simulated": p, "real": d})
+            print(f"{p['label']}: simulated {p['output_throughput']:.1f} tok/s, p99 TTFT {p['p99_ttft_ms']:.0f} ms, "
+                  f"p99 TPOT {p['p99_tpot_ms']:.1f} ms | real {d['output_throughput']:.1f} tok/s, "
+                  f"p99 TTFT {d['p99_ttft_ms']:.0f} ms, p99 TPOT {d['p99_tpot_ms']:.1f} ms")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({
+            "slo": slo, "grid": grid, "best": res.best, "frontier": [p["label"] for p in res.frontier],
+            "skipped": res.skipped, "points": res.points, "verified": verified}, indent=2, default=str))
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+def _add_sim_args(p: argparse.ArgumentParser) -> None:
+    from ferry.sim.hardware import PRESETS as HW
+    from ferry.sim.models import PRESETS as MODELS
+
+    g = p.add_argument_group("simulation (--model is a preset or a config.json: " + ", ".join(MODELS) + ")")
+    g.add_argument("--hardware", default="h100-sxm", help=f"a preset ({', '.join(HW)}) or a calibrated profile JSON")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory for weights + KV cache (the rest is headroom)")
+
+
+def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
+                    run: Callable[[Callable[[argparse.Namespace, EngineConfig], int]], Any]) -> None:
+    from ferry.bench.commands import add_output_args, add_workload_args, parse_rate_arg
+    from ferry.bench.seed_experiments import DEFAULT_MIXED
+    from ferry.bench.sweep import SWEEPABLE
+
+    p = sub.add_parser("simulate", help="the engine loop and scheduler on a cost model of a GPU (or of this machine)",
+                       description="run (default): one workload in simulated time; calibrate: fit a profile of "
+                                   "this machine; seed: the seed's experiments at GPU scale.")
+    p.add_argument("action", nargs="?", choices=("run", "calibrate", "seed"))
+    add_workload_args(p)
+    p.add_argument("--request-rate", type=parse_rate_arg, default=None,
+                   help="requests/s, Poisson (seeded by --seed); inf = all at once; default: the workload's own")
+    p.add_argument("--num-runs", type=int, default=1, help=argparse.SUPPRESS)
+    add_output_args(p)
+    p.add_argument("--out", help="calibrate: the profile JSON to write; seed: the report directory")
+    p.add_argument("--reps", type=int, default=3, help="calibrate: timed repetitions per step shape")
+    p.add_argument("--samples-json", help="calibrate: also write the measured steps here")
+    p.add_argument("--quick", action="store_true", help="seed: small sizes")
+    p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="seed: the mixed-lengths workload")
+    _add_sim_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run(cmd_simulate))
+
+    p = sub.add_parser("tune", help="search max_num_batched_tokens, max_num_seqs and chunked prefill in "
+                                    "simulation for the highest throughput within an SLO")
+    add_workload_args(p)
+    p.add_argument("--request-rate", type=parse_rate_arg, default=None, help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--slo", required=True, help="e.g. ttft_p99=2000,tpot_p99=100 (ms)")
+    p.add_argument("--verify", type=int, default=0, metavar="N", help="run the best N on the real engine too")
+    p.add_argument("--verify-model", default=None, help="the real model for --verify (default: the embedded one)")
+    add_output_args(p)
+    _add_sim_args(p)
+    add_engine_args(p, lists=tuple(SWEEPABLE))
+    p.set_defaults(func=run(cmd_tune))
