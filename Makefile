@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ferry-installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test serve experiments clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ setup: $(STAMP)
 
 demo: setup
 	$(BIN)/ferry demo
+
+serve: setup
+	$(BIN)/ferry serve
+
+experiments: setup
+	$(BIN)/ferry bench seed --out docs/seed-report
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ferry.bench.commands import add_bench_parsers
 from ferry.config import EngineConfig
+from ferry.server.serve import add_server_args, cmd_serve
 from ferry.sim.commands import add_sim_parsers
 
 DEMO_QUESTIONS = [
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     add_bench_parsers(sub, add_engine_args, with_engine_config)
     add_sim_parsers(sub, add_engine_args, with_engine_config)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=with_engine_config(cmd_serve))
     return parser
 
 

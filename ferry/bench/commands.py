@@ -138,6 +138,23 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ferry.bench.serve_client import run_against_server
+    from ferry.bench.workload import with_request_rate
+
+    reqs = with_request_rate(workload_from_args(args), args.request_rate, args.seed)
+    m = asyncio.run(run_against_server(args.base_url, reqs, args.model, args.api_key, args.max_concurrency,
+                                       progress=not args.no_progress))
+    print("\n".join(m.lines()))
+    if m.num_failed:
+        print(f"{m.num_failed} requests failed")
+    _write_json(args.output_json, {"base_url": args.base_url, "request_rate": args.request_rate,
+                                   "max_concurrency": args.max_concurrency, **m.to_dict()})
+    return 0
+
+
 def cmd_bench_seed(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.seed_experiments import run_seed_experiments
 
@@ -166,6 +183,18 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
         add_output_args(p)
         add_engine_args(p)
         p.set_defaults(func=run(cmd_bench_run))
+    p = bsub.add_parser("serve", help="load an OpenAI-compatible server over HTTP (streaming, token-id prompts)")
+    add_workload_args(p)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id to send (default: none; the server's own)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-rate", type=parse_rate_arg, default=None,
+                   help="requests/s, Poisson (seeded by --seed); inf = all at once; default: the workload's own")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bench_serve)
     p = bsub.add_parser("sweep", help="a grid of settings and rates; throughput vs p99 latency; SLO pick",
                         description="Comma-separated values for any of: " + ", ".join(
                             "--" + k.replace("_", "-") for k in SWEEPABLE))

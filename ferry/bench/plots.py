@@ -142,6 +142,8 @@ def plot_kv(run: BenchRun, path: str | Path) -> list[str]:
 def plot_cdfs(runs: Sequence[BenchRun], path: str | Path) -> list[str]:
     """CDFs of TTFT, TPOT and ITL: one curve per run, to compare configurations."""
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
     for ax, name in zip(axes, ("ttft", "tpot", "itl")):
         for run in runs:
@@ -149,6 +151,7 @@ def plot_cdfs(runs: Sequence[BenchRun], path: str | Path) -> list[str]:
             if len(v):
                 ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=run.label)
         ax.set_xlabel(f"{name.upper()} (ms)")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4))
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests / tokens")

@@ -1,0 +1,191 @@
+"""The async front: one background thread runs the step loop; each request gets an async stream.
+
+The engine is not thread-safe, so every touch (add, abort, step) holds one lock.
+Adds and aborts run in worker threads (``asyncio.to_thread``) so a long step never
+blocks the event loop. Outputs cross back to the loop with ``call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from ferry.core.sampling_params import SamplingParams
+from ferry.engine.llm_engine import LLMEngine
+from ferry.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+class EngineDead(Exception):
+    """The step loop stopped on an unexpected error."""
+
+
+@dataclass
+class SubRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class Stream:
+    """Outputs of one or more engine requests as ``(index, RequestOutput)``, in arrival order.
+
+    Closing it (or leaving ``async for`` early) aborts whatever has not finished.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str]) -> None:
+        self.engine = engine
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.unfinished = set(range(len(request_ids)))
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            while self.unfinished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                index, out = item
+                if out.finished:
+                    self.unfinished.discard(index)
+                yield index, out
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort the requests that have not finished; their KV blocks return at once."""
+        left = [self.request_ids[i] for i in self.unfinished]
+        self.unfinished.clear()
+        for rid in left:
+            self.engine.streams.pop(rid, None)
+        if left:
+            await asyncio.shield(asyncio.to_thread(self.engine.abort_many, left))
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a background thread while requests come and go."""
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 on_abort: Callable[[int], None] | None = None) -> None:
+        self.engine = engine
+        self.engine.step_stats = deque(maxlen=1000)  # type: ignore[assignment]  # a server runs for ever
+        self.max_waiting_requests = max_waiting_requests
+        self.on_step = on_step
+        self.on_abort = on_abort
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.streams: dict[str, tuple[Stream, int]] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.error: BaseException | None = None
+        self._counter = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.Thread(target=self._run, name="ferry-engine", daemon=True)
+        self.thread.start()
+
+    async def stop(self) -> None:
+        """Abort everything in flight and stop the step loop."""
+        with self.lock:
+            for rid in list(self.engine.scheduler.requests):
+                self.engine.abort(rid)
+        self.stopping = True
+        self.wake.set()
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, 30)
+        self._fail_all(EngineDead("the server is shutting down"))
+
+    # ------------------------------------------------------------------ requests
+    async def submit(self, subs: list[SubRequest]) -> Stream:
+        """Queue every sub-request, or none: a ValueError (bad input) or EngineOverloaded leaves
+        the engine untouched."""
+        if self.error is not None:
+            raise EngineDead(f"the engine stopped: {self.error}")
+        return await asyncio.to_thread(self._submit, subs)
+
+    def _submit(self, subs: list[SubRequest]) -> Stream:
+        with self.lock:
+            sched = self.engine.scheduler
+            if self.max_waiting_requests is not None and sched.num_waiting + len(subs) > self.max_waiting_requests:
+                raise EngineOverloaded(f"{sched.num_waiting} requests are waiting (the limit is "
+                                       f"{self.max_waiting_requests}); retry later")
+            self._counter += 1
+            ids = [f"req-{self._counter}-{i}" for i in range(len(subs))]
+            stream = Stream(self, ids)
+            added: list[str] = []
+            try:
+                for rid, sub in zip(ids, subs):
+                    self.engine.add_request(sub.prompt, sub.params, request_id=rid, priority=sub.priority)
+                    added.append(rid)
+            except Exception:
+                for rid in added:
+                    self.engine.abort(rid)
+                raise
+            for i, rid in enumerate(ids):
+                self.streams[rid] = (stream, i)
+        self.wake.set()
+        return stream
+
+    def abort_many(self, request_ids: list[str]) -> None:
+        with self.lock:
+            aborted = [rid for rid in request_ids if rid in self.engine.scheduler.requests]
+            for rid in aborted:
+                self.engine.abort(rid)
+            if aborted and self.on_abort is not None:
+                self.on_abort(len(aborted))
+        self.wake.set()
+
+    # ------------------------------------------------------------------ the step loop
+    def _run(self) -> None:
+        try:
+            while not self.stopping:
+                with self.lock:
+                    busy = self.engine.has_unfinished()
+                    outputs = self.engine.step() if busy else []
+                    if self.on_step is not None and busy:
+                        self.on_step(self.engine, outputs)
+                if outputs:
+                    self.loop.call_soon_threadsafe(self._deliver, outputs)  # type: ignore[union-attr]
+                if not busy:
+                    self.wake.wait(0.5)
+                    self.wake.clear()
+        except BaseException as e:  # the loop itself broke (not a model error: those fail their requests)
+            log.exception("engine loop died")
+            self.error = e
+            self.loop.call_soon_threadsafe(self._fail_all, e)  # type: ignore[union-attr]
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self.streams.get(out.request_id)
+            if entry is None:
+                continue  # its stream was closed
+            stream, index = entry
+            if out.finished:
+                del self.streams[out.request_id]
+            stream.queue.put_nowait((index, out))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream, _ in list(self.streams.values()):
+            stream.queue.put_nowait(EngineDead(f"the engine stopped: {error}"))
+        self.streams.clear()
+
+    # ------------------------------------------------------------------ introspection
+    def snapshot(self) -> dict[str, Any]:
+        s = self.engine.scheduler
+        return {"running": s.num_running, "waiting": s.num_waiting,
+                "kv_blocks_used": self.engine.kv.pool.num_used, "kv_blocks": self.engine.num_kv_blocks}

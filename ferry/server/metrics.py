@@ -1,0 +1,70 @@
+"""Prometheus metrics with vLLM's names under a ``ferry:`` prefix."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ferry.engine.llm_engine import LLMEngine
+from ferry.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class ServerMetrics:
+    """Updated from the engine thread after every step; read by ``GET /metrics``."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        sched = engine.scheduler
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(name, doc, labels, registry=r).labels(model_name).set_function(fn)
+
+        gauge("ferry:num_requests_running", "Requests in the running batch.", lambda: sched.num_running)
+        gauge("ferry:num_requests_waiting", "Requests waiting to be scheduled.", lambda: sched.num_waiting)
+        gauge("ferry:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+              lambda: engine.kv.pool.num_used / engine.num_kv_blocks)
+        gauge("ferry:num_kv_blocks_free", "KV cache blocks free.", lambda: engine.kv.pool.num_free)
+        self.preemptions = Counter("ferry:num_preemptions", "Preemptions (recompute).", labels, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("ferry:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("ferry:generation_tokens", "Generated tokens.", labels, registry=r).labels(model_name)
+        self.finished = Counter("ferry:request_success", "Finished requests by reason.", labels + ["finished_reason"],
+                                registry=r)
+        self.model_name = model_name
+
+        def hist(name: str, doc: str):
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.ttft = hist("ferry:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("ferry:inter_token_latency_seconds", "Time between consecutive output tokens.")
+        self.e2e = hist("ferry:e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = hist("ferry:request_queue_time_seconds", "Arrival to first scheduled.")
+        self._seen_preemptions = engine.num_preemptions
+
+    def on_abort(self, n: int) -> None:
+        """Requests aborted by their client (disconnects): they leave without a step output."""
+        self.finished.labels(self.model_name, "abort").inc(n)
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Called under the engine lock after each step with that step's outputs."""
+        n = engine.num_preemptions
+        if n > self._seen_preemptions:
+            self.preemptions.inc(n - self._seen_preemptions)
+            self._seen_preemptions = n
+        for out in outputs:
+            m, comp = out.metrics, out.outputs[0]
+            assert m is not None
+            # A step's output carries exactly one new token, unless the step failed for it.
+            if comp.finish_reason != "error":
+                self.generation_tokens.inc()
+                if len(comp.token_ids) == 1:
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self.ttft.observe(m.ttft)
+                    self.queue.observe(m.queue_time)
+                else:
+                    self.itl.observe(m.token_times[-1] - m.token_times[-2])
+            if out.finished:
+                self.finished.labels(self.model_name, comp.finish_reason or "unknown").inc()
+                self.e2e.observe(m.e2e)
