@@ -107,17 +107,19 @@ def test_seed_example_static_waste_matches_the_formula_and_continuous_wastes_not
     assert cont.duration < static.duration
 
 
-@pytest.mark.parametrize("noise", [0.0, 0.02])
-def test_calibration_recovers_known_coefficients(noise):
+@pytest.mark.parametrize("noise,overlap", [(0.0, 1.0), (0.02, 1.0), (0.0, 0.0), (0.02, 0.0)])
+def test_calibration_recovers_known_coefficients(noise, overlap):
     model = load_model_config("smollm2-135m")
     true = Hardware("cpu", peak_tflops=0.15, mem_bandwidth_gbs=20, memory_gb=2, dtype_bytes=4, flops_efficiency=1.0,
-                    attn_flops_efficiency=0.4, bw_efficiency=1.0, step_overhead_ms=3.0, per_request_overhead_ms=0.1)
+                    attn_flops_efficiency=0.4, bw_efficiency=1.0, step_overhead_ms=3.0, per_request_overhead_ms=0.1,
+                    overlap=overlap)
     cost = CostModel(model, true)
     rng = random.Random(1)
     samples = [Sample(s, cost.step_time(s, len(s)) * (1 + rng.gauss(0, noise))) for s in calibration_shapes(40000)]
     hw, err = fit_profile(model, samples, "fit", 4, memory_gb=2)
     rel = 1e-6 if noise == 0 else 0.1
     assert err <= max(1e-9, 2 * noise)
+    assert hw.overlap == overlap
     assert hw.flops == pytest.approx(true.flops, rel=rel)
     assert hw.bandwidth == pytest.approx(true.bandwidth, rel=rel)
     assert hw.attn_flops == pytest.approx(true.attn_flops, rel=rel)

@@ -76,28 +76,49 @@ class Stream:
 class AsyncEngine:
     """Runs ``engine.step()`` in a background thread while requests come and go."""
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting_requests: int | None = None,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
                  on_abort: Callable[[int], None] | None = None) -> None:
-        self.engine = engine
-        self.engine.step_stats = deque(maxlen=1000)  # type: ignore[assignment]  # a server runs for ever
+        """``engine`` is an engine, or a function that builds one: it is then built inside the
+        step-loop thread, so that every torch call happens in that one OS thread (a second
+        thread's OpenMP team makes small ops several times slower)."""
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self.on_abort = on_abort
         self.lock = threading.Lock()
         self.wake = threading.Event()
+        self.started = threading.Event()
         self.streams: dict[str, tuple[Stream, int]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: threading.Thread | None = None
         self.stopping = False
         self.error: BaseException | None = None
         self._counter = 0
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self.engine = engine() if callable(engine) else engine
+                self.engine.step_stats = deque(maxlen=1000)  # type: ignore[assignment]  # a server runs for ever
+            except BaseException as e:
+                failure.append(e)
+                return
+            finally:
+                built.set()
+            self.started.wait()
+            self._run()
+
+        self.thread = threading.Thread(target=main, name="ferry-engine", daemon=True)
+        self.thread.start()
+        built.wait()
+        if failure:
+            raise failure[0]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Start stepping (call from the event loop that will consume the streams)."""
         self.loop = asyncio.get_running_loop()
-        self.thread = threading.Thread(target=self._run, name="ferry-engine", daemon=True)
-        self.thread.start()
+        self.started.set()
 
     async def stop(self) -> None:
         """Abort everything in flight and stop the step loop."""
@@ -106,8 +127,8 @@ class AsyncEngine:
                 self.engine.abort(rid)
         self.stopping = True
         self.wake.set()
-        if self.thread is not None:
-            await asyncio.to_thread(self.thread.join, 30)
+        self.started.set()
+        await asyncio.to_thread(self.thread.join, 30)
         self._fail_all(EngineDead("the server is shutting down"))
 
     # ------------------------------------------------------------------ requests

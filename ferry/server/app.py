@@ -12,7 +12,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -149,33 +149,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         want_lp = body.logprobs is not None
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                sent = [0] * len(echo)
-                ntok = [0] * len(echo)
-                usage = _Usage()
-                try:
-                    for i, text in enumerate(echo):
-                        if text:
-                            yield _sse({**base, "choices": [_choice(i, text, None, None)]})
-                    async for i, out in stream:
-                        comp = out.outputs[0]
-                        if comp.finish_reason == "error":
-                            yield _sse({"error": _step_error(comp)})
-                            return
-                        delta, sent[i] = _delta(comp.text, sent[i], out.finished, sp.stop)
-                        lp = _completion_logprobs(comp, tokenizer, ntok[i], len(echo[i]) + sent[i]) if want_lp else None
-                        ntok[i] = len(comp.token_ids)
-                        usage.add(i, out, body.n)
-                        if delta or out.finished:
-                            yield _sse({**base, "choices": [_choice(i, delta, lp, comp.finish_reason if out.finished
-                                                                      else None)]})
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse({**base, "choices": [], "usage": usage.dict()})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    await stream.close()
+            def choice(i: int, delta: str, comp: Any, ntok: int, sent: int, finished: bool) -> dict[str, Any]:
+                lp = _completion_logprobs(comp, tokenizer, ntok, len(echo[i]) + sent) if want_lp else None
+                return _choice(i, delta, lp, comp.finish_reason if finished else None)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            opening = [_choice(i, text, None, None) for i, text in enumerate(echo) if text]
+            events = _sse_events(stream, sp.stop, body.n, len(echo), base, _include_usage(body), opening, choice)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         finals = await _collect(stream, raw)
         usage = _Usage()
@@ -207,36 +187,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
 
         if body.stream:
-            chunk = {**base, "object": "chat.completion.chunk"}
+            def delta_choice(i: int, delta: str, comp: Any, ntok: int, sent: int, finished: bool) -> dict[str, Any]:
+                return {"index": i, "delta": {"content": delta} if delta else {},
+                        "logprobs": _chat_logprobs(comp, tokenizer, ntok, top or 0) if body.logprobs else None,
+                        "finish_reason": comp.finish_reason if finished else None}
 
-            async def events() -> AsyncIterator[str]:
-                sent = [0] * body.n
-                ntok = [0] * body.n
-                usage = _Usage()
-                try:
-                    for i in range(body.n):
-                        yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                          "logprobs": None, "finish_reason": None}]})
-                    async for i, out in stream:
-                        comp = out.outputs[0]
-                        if comp.finish_reason == "error":
-                            yield _sse({"error": _step_error(comp)})
-                            return
-                        delta, sent[i] = _delta(comp.text, sent[i], out.finished, sp.stop)
-                        lp = _chat_logprobs(comp, tokenizer, ntok[i], top or 0) if body.logprobs else None
-                        ntok[i] = len(comp.token_ids)
-                        usage.add(i, out, body.n)
-                        if delta or out.finished:
-                            yield _sse({**chunk, "choices": [{
-                                "index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                                "finish_reason": comp.finish_reason if out.finished else None}]})
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse({**chunk, "choices": [], "usage": usage.dict()})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    await stream.close()
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(body.n)]
+            events = _sse_events(stream, sp.stop, body.n, body.n, {**base, "object": "chat.completion.chunk"},
+                                 _include_usage(body), opening, delta_choice)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         finals = await _collect(stream, raw)
         usage = _Usage()
@@ -253,6 +213,38 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
 
 # ---------------------------------------------------------------------- helpers
+async def _sse_events(stream: Stream, stop: list[str], n: int, num_choices: int, base: dict[str, Any],
+                      include_usage: bool, opening: list[dict[str, Any]],
+                      choice: Callable[[int, str, Any, int, int, bool], dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events for a stream of outputs: one chunk per new text (``choice`` shapes it),
+    then usage if asked, then [DONE]. Leaving early (a disconnect) aborts what is unfinished."""
+    sent = [0] * num_choices  # characters already sent, per choice
+    ntok = [0] * num_choices  # tokens already covered (for logprobs)
+    usage = _Usage()
+    try:
+        for c in opening:
+            yield _sse({**base, "choices": [c]})
+        async for i, out in stream:
+            comp = out.outputs[0]
+            if comp.finish_reason == "error":
+                yield _sse({"error": _step_error(comp)})
+                return
+            usage.add(i, out, n)
+            delta, upto = _delta(comp.text, sent[i], out.finished, stop)
+            if delta or out.finished:
+                yield _sse({**base, "choices": [choice(i, delta, comp, ntok[i], sent[i], out.finished)]})
+                sent[i], ntok[i] = upto, len(comp.token_ids)
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage.dict()})
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.close()
+
+
+def _include_usage(body: Any) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
 def _prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
         prompts: list = [prompt]

@@ -36,9 +36,10 @@ def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.from_config(config)
+    async_engine = AsyncEngine(lambda: LLMEngine.from_config(config), args.max_waiting_requests)
+    engine = async_engine.engine
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_NAME)
-    app = build_app(AsyncEngine(engine, args.max_waiting_requests), name, args.api_key)
+    app = build_app(async_engine, name, args.api_key)
     print(f"ferry: serving {name!r} on http://{args.host}:{args.port} "
           f"({engine.num_kv_blocks} KV blocks, max_model_len {config.max_model_len})", flush=True)
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler that was

@@ -47,7 +47,7 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.executor.model_executor import ModelExecutor
-    from ferry.sim.calibrate import calibration_shapes, fit_profile, measure_steps
+    from ferry.sim.calibrate import calibration_shapes, fit_profile, measure_engine_overhead, measure_steps
 
     if args.model in _sim_presets():
         config = dataclasses.replace(config, model=None)  # calibration runs the real model: the embedded one
@@ -58,6 +58,11 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     name = f"calibrated-{socket.gethostname()}-{config.dtype}"
     hw, err = fit_profile(executor.model_config, samples, name, dtype_bytes,
                           memory_gb=config.kv_cache_memory_gb, kv_cache_memory_gb=config.kv_cache_memory_gb)
+    # The engine's own work around each step (scheduling, stop checks, detokenizing) is real time too.
+    step_s, req_s = measure_engine_overhead(executor, config)
+    print(f"engine overhead around the executor: {step_s * 1e3:.2f} ms per step + {req_s * 1e3:.3f} ms per request")
+    hw = dataclasses.replace(hw, step_overhead_ms=hw.step_overhead_ms + step_s * 1e3,
+                             per_request_overhead_ms=hw.per_request_overhead_ms + req_s * 1e3)
     out = Path(args.out or "ferry-profile.json")
     hw.save(out)
     if args.samples_json:

@@ -4,13 +4,15 @@ A step is the scheduler's ``{request_id: num_tokens}`` plus each chunk's start
 (the context already in the KV cache). With T tokens in the step, S of them
 sampling, and per chunk n new tokens after ``start`` cached ones:
 
-    linear    = max(2 * P_lin * T / F,  P_lin * b / B)          P_lin: params of the layers' matrices
-    attention = max(sum 4 * L * H * d * n * (start + (n + 1) / 2) / F_attn,
-                    sum 2 * L * H_kv * d * b * (start + n) / B)  (K and V read for every chunk)
-    lm head   = max(2 * h * V * S / F,  h * V * b / B)           only rows that sample
+    linear    = roof(2 * P_lin * T / F,  P_lin * b / B)         P_lin: params of the layers' matrices
+    attention = roof(sum 4 * L * H * d * n * (start + (n + 1) / 2) / F_attn,
+                     sum 2 * L * H_kv * d * b * (start + n) / B)  (K and V read for every chunk)
+    lm head   = roof(2 * h * V * S / F,  h * V * b / B)          only rows that sample
     comm      = 2 * L * (latency + 2 * (tp - 1) / tp * T * h * b / link)   with tensor parallelism
     time      = overhead + per_request * R + linear + attention + lm head + comm
 
+roof(c, m) = max(c, m) + (1 - overlap) * min(c, m): the roofline when compute and memory
+traffic overlap (overlap = 1, a GPU), their sum when they do not (overlap = 0).
 F, F_attn and B are achievable rates (peak x efficiency); b bytes per value.
 Tensor parallelism divides FLOPs and bytes by tp. See docs/simulator.md for the limits.
 """
@@ -78,9 +80,14 @@ class CostModel:
         hw = self.hw
         f, fa, bw = hw.flops, hw.attn_flops, hw.bandwidth
         sec = hw.step_overhead_ms * 1e-3 + hw.per_request_overhead_ms * 1e-3 * t.num_requests
-        sec += max(t.linear_flops / f, t.weight_bytes / bw)
-        sec += max(t.attn_flops / fa, t.kv_bytes / bw)
-        sec += max(t.head_flops / f, t.head_bytes / bw)
+        ov = hw.overlap
+
+        def roof(c: float, m: float) -> float:
+            return max(c, m) + (1.0 - ov) * min(c, m)
+
+        sec += roof(t.linear_flops / f, t.weight_bytes / bw)
+        sec += roof(t.attn_flops / fa, t.kv_bytes / bw)
+        sec += roof(t.head_flops / f, t.head_bytes / bw)
         if self.tp > 1:
             link = hw.interconnect_gbs * 1e9
             if link <= 0:

@@ -27,6 +27,9 @@ class Hardware:
     interconnect_gbs: float = 0.0  # per-device link bandwidth for tensor-parallel all-reduce
     allreduce_latency_us: float = 10.0
     kv_cache_memory_gb: float | None = None  # fixed KV size (as a CPU engine is told) instead of memory - weights
+    # How far compute and memory traffic hide each other: 1 is the pure roofline max(c, m) (a GPU
+    # streaming weights while its tensor cores work); 0 means they add up (c + m).
+    overlap: float = 1.0
 
     @property
     def flops(self) -> float:
