@@ -68,9 +68,10 @@ def meets_slo(point: dict[str, Any], slo: dict[str, float]) -> bool:
 
 
 def best_under_slo(points: list[dict[str, Any]], slo: dict[str, float]) -> dict[str, Any] | None:
-    """The highest output throughput among the points that meet every SLO limit."""
+    """The highest output throughput among the points that meet every SLO limit (ties, common below
+    saturation where throughput is the offered load, go to the lower p99 TTFT)."""
     ok = [p for p in points if meets_slo(p, slo)]
-    return max(ok, key=lambda p: p["output_throughput"]) if ok else None
+    return max(ok, key=lambda p: (round(p["output_throughput"], 1), -(p.get("p99_ttft_ms") or 0.0))) if ok else None
 
 
 def split_grid(base: EngineConfig, values: dict[str, list[Any]]) -> tuple[EngineConfig, dict[str, list[Any]]]:

@@ -167,9 +167,12 @@ def fit_profile(model: ModelConfig, samples: list[Sample], name: str, dtype_byte
     return profile_from_fit(x, ov, name, dtype_bytes, memory_gb, kv_cache_memory_gb), err
 
 
-def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, seed: int = 0,
+def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int = 2, seed: int = 0,
                   progress: bool = True) -> list[Sample]:
-    """Time each step shape on a real executor (median of ``reps`` after one warm-up)."""
+    """Time each step shape on a real executor: one pass to warm up (first touches of the KV cache
+    pages cost page faults), then ``passes`` passes in shuffled order of ``reps`` timings each.
+    A shape's time is the fastest of its timings: a shared machine only ever adds time, in slow
+    moments that come and go, so the minimum is the machine's repeatable speed."""
     from ferry.core.kv_cache_manager import KVCacheManager
     from ferry.core.outputs import ScheduledChunk, SchedulerOutput
     from ferry.core.request import Request
@@ -178,35 +181,39 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, seed: int =
     rng = random.Random(seed)
     kv = KVCacheManager(executor.num_kv_blocks, executor.block_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    samples = []
-    it = shapes
+    times: list[list[float]] = [[] for _ in shapes]
+    order = [list(range(len(shapes)))] + [rng.sample(range(len(shapes)), len(shapes)) for _ in range(passes)]
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(shapes, desc="calibration steps", unit="shape")
-    for k, shape in enumerate(it):
-        reqs, chunks = [], []
-        for j, (n, start) in enumerate(shape):
-            ids = [rng.randrange(100, executor.vocab_size) for _ in range(start + n)]
-            req = Request(f"cal-{k}-{j}", ids, greedy, arrival_time=0.0)
-            if kv.allocate_slots(req, start + n) is None:
-                raise ValueError(f"calibration shape {k} needs more KV blocks than the executor has")
-            reqs.append(req)
-            chunks.append(ScheduledChunk(req, start, n, kv.block_tables[req.request_id], samples=True))
-        out = SchedulerOutput(chunks=chunks)
-        times = []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            executor.execute(out)
-            times.append(time.perf_counter() - t0)
-        samples.append(Sample(shape, statistics.median(times[1:])))
-        for req in reqs:
-            kv.free(req)
-        sampler = getattr(executor, "sampler", None)
-        if sampler is not None:
-            sampler.forget([r.request_id for r in reqs])
-    return samples
-
+        bar = tqdm(total=len(shapes) * (passes + 1), desc="calibration steps", unit="step")
+    for p, pass_order in enumerate(order):
+        for k in pass_order:
+            reqs, chunks = [], []
+            for j, (n, start) in enumerate(shapes[k]):
+                ids = [rng.randrange(100, executor.vocab_size) for _ in range(start + n)]
+                req = Request(f"cal-{p}-{k}-{j}", ids, greedy, arrival_time=0.0)
+                if kv.allocate_slots(req, start + n) is None:
+                    raise ValueError(f"calibration shape {k} needs more KV blocks than the executor has")
+                reqs.append(req)
+                chunks.append(ScheduledChunk(req, start, n, kv.block_tables[req.request_id], samples=True))
+            out = SchedulerOutput(chunks=chunks)
+            for _ in range(reps if p else 1):
+                t0 = time.perf_counter()
+                executor.execute(out)
+                if p:
+                    times[k].append(time.perf_counter() - t0)
+            for req in reqs:
+                kv.free(req)
+            sampler = getattr(executor, "sampler", None)
+            if sampler is not None:
+                sampler.forget([r.request_id for r in reqs])
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return [Sample(shape, min(t)) for shape, t in zip(shapes, times)]
 
 
 class _TimedExecutor:

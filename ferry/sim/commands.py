@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import replace
 import json
 import socket
 from pathlib import Path
@@ -53,7 +54,7 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
         config = dataclasses.replace(config, model=None)  # calibration runs the real model: the embedded one
     executor = ModelExecutor(config)
     shapes = calibration_shapes(executor.num_kv_blocks * executor.block_size)
-    samples = measure_steps(executor, shapes, reps=args.reps, progress=not args.no_progress)
+    samples = measure_steps(executor, shapes, reps=args.reps, passes=args.passes, progress=not args.no_progress)
     dtype_bytes = {"float32": 4}.get(config.dtype, 2)
     name = f"calibrated-{socket.gethostname()}-{config.dtype}"
     hw, err = fit_profile(executor.model_config, samples, name, dtype_bytes,
@@ -127,7 +128,9 @@ def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
         print(f"\nverifying the top {args.verify} on the real engine ({args.verify_model or 'embedded model'}):")
         for p in ranked_within_slo(res.points, slo)[:args.verify]:
             cfg = engine_config(config, model=args.verify_model, **{k: p[k] for k in grid})
-            m = run_workload(real.engine(cfg), rated, label=p["label"], progress=not args.no_progress).metrics
+            engine = real.engine(cfg)
+            run_workload(engine, [replace(r, arrival_time=0.0) for r in rated[:4]], progress=False)  # warm-up
+            m = run_workload(engine, rated, label=p["label"], progress=not args.no_progress).metrics
             d = m.to_dict()
             verified.append({"label": p["label"], "simulated": p, "real": d})
             print(f"{p['label']}: simulated {p['output_throughput']:.1f} tok/s, p99 TTFT {p['p99_ttft_ms']:.0f} ms, "
@@ -168,7 +171,8 @@ def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--num-runs", type=int, default=1, help=argparse.SUPPRESS)
     add_output_args(p)
     p.add_argument("--out", help="calibrate: the profile JSON to write; seed: the report directory")
-    p.add_argument("--reps", type=int, default=3, help="calibrate: timed repetitions per step shape")
+    p.add_argument("--reps", type=int, default=3, help="calibrate: timed repetitions per step shape and pass")
+    p.add_argument("--passes", type=int, default=2, help="calibrate: measuring passes over all shapes")
     p.add_argument("--samples-json", help="calibrate: also write the measured steps here")
     p.add_argument("--quick", action="store_true", help="seed: small sizes")
     p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="seed: the mixed-lengths workload")
