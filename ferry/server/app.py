@@ -157,15 +157,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             events = _sse_events(stream, sp.stop, body.n, len(echo), base, _include_usage(body), opening, choice)
             return StreamingResponse(events, media_type="text/event-stream")
 
-        finals = await _collect(stream, raw)
-        usage = _Usage()
-        choices = []
-        for i, out in enumerate(finals):
-            comp = out.outputs[0]
-            usage.add(i, out, body.n)
+        def full_choice(i: int, comp: Any) -> dict[str, Any]:
             lp = _completion_logprobs(comp, tokenizer, 0, len(echo[i])) if want_lp else None
-            choices.append(_choice(i, echo[i] + comp.text, lp, comp.finish_reason))
-        return {**base, "choices": choices, "usage": usage.dict()}
+            return _choice(i, echo[i] + comp.text, lp, comp.finish_reason)
+
+        return _response(await _collect(stream, raw), body.n, base, full_choice)
 
     # ------------------------------------------------------------------ chat
     @app.post("/v1/chat/completions")
@@ -198,16 +194,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                                  _include_usage(body), opening, delta_choice)
             return StreamingResponse(events, media_type="text/event-stream")
 
-        finals = await _collect(stream, raw)
-        usage = _Usage()
-        choices = []
-        for i, out in enumerate(finals):
-            comp = out.outputs[0]
-            usage.add(i, out, body.n)
-            choices.append({"index": i, "message": {"role": "assistant", "content": comp.text},
-                            "logprobs": _chat_logprobs(comp, tokenizer, 0, top or 0) if body.logprobs else None,
-                            "finish_reason": comp.finish_reason})
-        return {**base, "choices": choices, "usage": usage.dict()}
+        def message_choice(i: int, comp: Any) -> dict[str, Any]:
+            return {"index": i, "message": {"role": "assistant", "content": comp.text},
+                    "logprobs": _chat_logprobs(comp, tokenizer, 0, top or 0) if body.logprobs else None,
+                    "finish_reason": comp.finish_reason}
+
+        return _response(await _collect(stream, raw), body.n, base, message_choice)
 
     return app
 
@@ -239,6 +231,15 @@ async def _sse_events(stream: Stream, stop: list[str], n: int, num_choices: int,
         yield "data: [DONE]\n\n"
     finally:
         await stream.close()
+
+
+def _response(finals: list[RequestOutput], n: int, base: dict[str, Any],
+              choice: Callable[[int, Any], dict[str, Any]]) -> dict[str, Any]:
+    """A non-streaming response body: one choice per finished output, and the usage."""
+    usage = _Usage()
+    for i, out in enumerate(finals):
+        usage.add(i, out, n)
+    return {**base, "choices": [choice(i, out.outputs[0]) for i, out in enumerate(finals)], "usage": usage.dict()}
 
 
 def _include_usage(body: Any) -> bool:

@@ -26,6 +26,7 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
     if action == "calibrate":
         return _calibrate(args, config)
     factory = _factory(args)
+    config = _sim_dtype(config, factory)
     if action == "seed":
         from ferry.bench.seed_experiments import GPU, QUICK, run_seed_experiments
 
@@ -33,7 +34,7 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
             raise ValueError("ferry simulate seed needs --out DIR")
         report = run_seed_experiments(
             config, args.out, progress=False, factory=factory, mixed_path=args.mixed_workload,
-            scale=QUICK if args.quick else GPU,
+            scale=QUICK if args.quick else GPU, plots=not args.no_plots,
             title=f"ferry simulate: the seed's experiments, {args.model or 'smollm2-135m'} on "
                   f"{args.tensor_parallel_size} x {factory.hw.name} (simulated)")
         print(f"wrote {report}")
@@ -44,6 +45,11 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"simulating {args.model or 'smollm2-135m'} on {args.tensor_parallel_size} x {factory.hw.name}: "
           f"{factory.num_kv_blocks(config)} KV blocks of {config.block_size} tokens")
     return cmd_bench_run(args, config, factory)
+
+
+def _sim_dtype(config: EngineConfig, factory: Any) -> EngineConfig:
+    """In simulation the value size is the hardware profile's; say so in the settings reported."""
+    return dataclasses.replace(config, dtype="float32" if factory.hw.dtype_bytes == 4 else "bfloat16")
 
 
 def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -94,6 +100,8 @@ def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
     if not slo:
         raise ValueError("ferry tune needs --slo, e.g. --slo ttft_p99=2000,tpot_p99=100 (milliseconds)")
     factory = _factory(args)
+    real_dtype = config.dtype  # --verify runs the real engine at the dtype asked for
+    config = _sim_dtype(config, factory)
     reqs = workload_from_args(args, factory.model.vocab_size)
     if config.max_model_len is None:  # long enough for the workload, so chunking-off configs are comparable
         need = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
@@ -127,7 +135,7 @@ def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
         rated = with_request_rate(reqs, args.request_rate, args.seed)
         print(f"\nverifying the top {args.verify} on the real engine ({args.verify_model or 'embedded model'}):")
         for p in ranked_within_slo(res.points, slo)[:args.verify]:
-            cfg = engine_config(config, model=args.verify_model, **{k: p[k] for k in grid})
+            cfg = engine_config(config, model=args.verify_model, dtype=real_dtype, **{k: p[k] for k in grid})
             engine = real.engine(cfg)
             run_workload(engine, [replace(r, arrival_time=0.0) for r in rated[:4]], progress=False)  # warm-up
             m = run_workload(engine, rated, label=p["label"], progress=not args.no_progress).metrics
@@ -175,6 +183,7 @@ def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--passes", type=int, default=2, help="calibrate: measuring passes over all shapes")
     p.add_argument("--samples-json", help="calibrate: also write the measured steps here")
     p.add_argument("--quick", action="store_true", help="seed: small sizes")
+    p.add_argument("--no-plots", action="store_true", help="seed: tables only")
     p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="seed: the mixed-lengths workload")
     _add_sim_args(p)
     add_engine_args(p)
