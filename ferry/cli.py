@@ -135,13 +135,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args))
     print(f"model loaded in {llm.startup_seconds:.1f} s")
     convs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    llm.engine.step_stats.clear()
     t0 = time.perf_counter()
     outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     duration = time.perf_counter() - t0
     for q, o in zip(DEMO_QUESTIONS, outs):
         print(f"\n### {q}\n{o.outputs[0].text.strip()}  [{o.outputs[0].finish_reason}]")
     print("\n--- summary (continuous batching, all requests together) ---")
-    print("\n".join(summarize(outs, duration).lines()))
+    print("\n".join(summarize(outs, duration, llm.engine.step_stats, llm.engine.num_kv_blocks).lines()))
     return 0
 
 
