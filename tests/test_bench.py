@@ -11,7 +11,7 @@ from statistics import fmean
 import pytest
 
 from ferry.bench import plots
-from ferry.bench.runner import engine_config, run_workload
+from ferry.bench.runner import run_workload
 from ferry.bench.seed_experiments import QUICK, run_seed_experiments, seed_case_lengths
 from ferry.bench.sweep import best_under_slo, grid_configs, parse_list, parse_slo, run_sweep, slo_field
 from ferry.bench.workload import (WorkloadRequest, load_workload, poisson_arrivals, sample_lengths, save_workload,

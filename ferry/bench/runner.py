@@ -5,6 +5,7 @@ simulator (a clock the executor advances)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ from ferry.engine.llm_engine import LLMEngine
 from ferry.engine.metrics import RunMetrics, summarize
 from ferry.engine.outputs import RequestOutput
 from ferry.engine.step_stats import StepStats
+
+_RUNS = itertools.count()
 
 # Settings that shape the loaded model and its KV cache; the rest only change scheduling.
 MODEL_SETTINGS = ("model", "load_format", "dtype", "max_model_len", "block_size", "num_kv_blocks",
@@ -61,7 +64,7 @@ def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str 
     """
     clock = engine.clock
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
-    prefix = f"{label or 'run'}-{id(requests):x}-"
+    prefix = f"run{next(_RUNS)}-"  # ids unique across runs on one engine
     engine.step_stats.clear()
     bar = None
     if progress:

@@ -116,7 +116,7 @@ def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"{len(res.points)} configurations simulated on {factory.hw.name}"
           + (f", {len(res.skipped)} skipped (chunking off needs max_num_batched_tokens >= max_model_len "
              f"{config.max_model_len})" if res.skipped else ""))
-    print(f"frontier (no configuration is better on throughput, p99 TTFT and p99 TPOT at once):")
+    print("frontier (no configuration is better on throughput, p99 TTFT and p99 TPOT at once):")
     print(f"{'configuration':<72}{'out tok/s':>10}{'p99 TTFT':>10}{'p99 TPOT':>10}")
     for p in res.frontier:
         mark = "  <- best within SLO" if p is res.best else ""
