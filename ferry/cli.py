@@ -31,7 +31,8 @@ DEMO_QUESTIONS = [
 def add_engine_args(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> None:
     """Every EngineConfig field as --kebab-case, with vLLM's names.
 
-    Settings named in ``lists`` take comma-separated values (a sweep's grid), kept as text.
+    Settings named in ``lists`` take comma-separated values (a sweep's grid), kept as text;
+    they default to None, so a command can tell which ones were given.
     """
     g = p.add_argument_group("engine settings" + (" (comma-separated lists allowed: "
                                                   + ", ".join(lists) + ")" if lists else ""))
@@ -39,8 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> 
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if f.name in lists:
-            text = str(default).lower() if isinstance(default, bool) else str(default)
-            g.add_argument(flag, dest=f.name, default=text, metavar="V1,V2,...")
+            g.add_argument(flag, dest=f.name, default=None, metavar="V1,V2,...")
         elif f.type in ("bool", bool) or isinstance(default, bool):
             g.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction)
         else:
@@ -64,9 +64,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def with_engine_config(handler: Callable[[argparse.Namespace, EngineConfig], int]) -> Callable[[argparse.Namespace], int]:
-    """Build the EngineConfig from the flags (list-valued ones go to ``args.sweep``), then run."""
+    """Build the EngineConfig from the flags (list-valued ones that were given go to ``args.sweep``),
+    then run."""
     def run(args: argparse.Namespace) -> int:
-        args.sweep = {name: getattr(args, name) for name in args.list_settings}
+        args.sweep = {name: getattr(args, name) for name in args.list_settings if getattr(args, name) is not None}
         return handler(args, EngineConfig.from_kwargs(**engine_kwargs(args)))
 
     return run

@@ -42,7 +42,7 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int = 32000) -> lis
                               args.output_dist, args.range_ratio, args.sigma, args.seed, vocab_size)
 
 
-def _write_json(path: str | None, data: Any) -> None:
+def write_json(path: str | None, data: Any) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2, default=_json_default))
@@ -86,7 +86,7 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
         print(f"median of {len(runs)}: {median(r.metrics.duration for r in runs):.2f} s, "
               f"{median(r.metrics.output_throughput for r in runs):.1f} output tok/s (table: the median run)")
     print("\n".join(mid.metrics.lines()))
-    _write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs]})
+    write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs]})
     if args.plot:
         paths = plot_run(mid, args.plot, args.bench_command)
         plot_cdfs([mid], Path(args.plot) / f"{args.bench_command}-cdf.png")
@@ -97,8 +97,8 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
 def cmd_bench_sweep(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.plots import plot_cdfs, plot_sweep
     from ferry.bench.runner import EngineFactory
-    from ferry.bench.sweep import (SWEEPABLE, best_under_slo, meets_slo, parse_list, parse_rate, parse_slo, run_sweep,
-                                   split_grid)
+    from ferry.bench.sweep import (SWEEPABLE, best_under_slo, format_points, meets_slo, parse_list, parse_rate,
+                                   parse_slo, run_sweep, split_grid)
 
     slo = parse_slo(args.slo)
     config, grid = split_grid(config, {name: parse_list(name, text, SWEEPABLE[name])
@@ -111,18 +111,15 @@ def cmd_bench_sweep(args: argparse.Namespace, config: EngineConfig) -> int:
     runs, skipped = run_sweep(config, reqs, grid, rates, args.seed, factory, progress=not args.no_progress)
     points = [r.to_dict() for r in runs]
     best = best_under_slo(points, slo) if slo else None
-    print(f"{'configuration':<60}{'out tok/s':>10}{'p99 TTFT':>10}{'p99 TPOT':>10}  SLO")
-    for p in points:
-        mark = ("ok" if meets_slo(p, slo) else "miss") if slo else ""
-        if best is p:
-            mark += "  <- best"
-        print(f"{p['label']:<60}{p['output_throughput']:>10.1f}{_ms(p['p99_ttft_ms']):>10}"
-              f"{_ms(p['p99_tpot_ms']):>10}  {mark}")
+    def mark(p: dict[str, Any]) -> str:
+        return (("SLO ok" if meets_slo(p, slo) else "SLO miss") if slo else "") + ("  <- best" if p is best else "")
+
+    print("\n".join(format_points(points, mark)))
     for s in skipped:
         print(f"skipped {s}")
     if slo and best is None:
         print("no configuration meets the SLO")
-    _write_json(args.output_json, {"grid": grid, "request_rates": rates, "slo": slo,
+    write_json(args.output_json, {"grid": grid, "request_rates": rates, "slo": slo,
                                    "best": None if best is None else best["label"],
                                    "skipped": skipped, "points": points})
     if args.plot:
@@ -132,10 +129,6 @@ def cmd_bench_sweep(args: argparse.Namespace, config: EngineConfig) -> int:
         plot_cdfs(runs, Path(args.plot) / "sweep-cdf.png")
         print(f"plots in {args.plot}: sweep.png, sweep-cdf.png")
     return 0
-
-
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.0f}"
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -150,7 +143,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     print("\n".join(m.lines()))
     if m.num_failed:
         print(f"{m.num_failed} requests failed")
-    _write_json(args.output_json, {"base_url": args.base_url, "request_rate": args.request_rate,
+    write_json(args.output_json, {"base_url": args.base_url, "request_rate": args.request_rate,
                                    "max_concurrency": args.max_concurrency, **m.to_dict()})
     return 0
 

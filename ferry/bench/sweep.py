@@ -63,6 +63,17 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
+def format_points(points: list[dict[str, Any]], mark: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A table of configurations: throughput, p99 TTFT and TPOT, and a mark per row."""
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.1f}"
+
+    width = max([13] + [len(p["label"]) for p in points]) + 2
+    return [f"{'configuration':<{width}}{'out tok/s':>10}{'p99 TTFT':>10}{'p99 TPOT':>10}"] + [
+        f"{p['label']:<{width}}{p['output_throughput']:>10.1f}{ms(p['p99_ttft_ms']):>10}{ms(p['p99_tpot_ms']):>10}"
+        f"  {mark(p)}".rstrip() for p in points]
+
+
 def meets_slo(point: dict[str, Any], slo: dict[str, float]) -> bool:
     return all(point.get(slo_field(k)) is not None and point[slo_field(k)] <= limit for k, limit in slo.items())
 

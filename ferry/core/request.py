@@ -24,9 +24,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = ("finished_aborted", "abort")
     FINISHED_ERROR = ("finished_error", "error")
 
-    def __init__(self, label: str, finish_reason: str | None) -> None:
+    def __init__(self, _label: str, finish_reason: str | None) -> None:
         # Plain attributes, not properties: the scheduler reads them for every request every step.
-        self.label = label
+        # (The label only keeps the members' values distinct.)
         self.finish_reason = finish_reason
         self.finished = finish_reason is not None
 

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.llm_engine import LLMEngine
@@ -204,9 +204,3 @@ class AsyncEngine:
         for stream, _ in list(self.streams.values()):
             stream.queue.put_nowait(EngineDead(f"the engine stopped: {error}"))
         self.streams.clear()
-
-    # ------------------------------------------------------------------ introspection
-    def snapshot(self) -> dict[str, Any]:
-        s = self.engine.scheduler
-        return {"running": s.num_running, "waiting": s.num_waiting,
-                "kv_blocks_used": self.engine.kv.pool.num_used, "kv_blocks": self.engine.num_kv_blocks}

@@ -222,8 +222,9 @@ class _TimedExecutor:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.last = 0.0
-        for name in ("vocab_size", "tokenizer", "eos_token_id", "num_kv_blocks", "max_model_len"):
-            setattr(self, name, getattr(inner, name))
+
+    def __getattr__(self, name: str) -> Any:  # vocab_size, tokenizer, ...: the inner executor's
+        return getattr(self.inner, name)
 
     def execute(self, out: Any) -> Any:
         t0 = time.perf_counter()

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import replace
-import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 from ferry.config import EngineConfig
+from ferry.sim.models import PRESETS as MODEL_PRESETS
 
 
 def _factory(args: argparse.Namespace):
@@ -49,15 +48,16 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _sim_dtype(config: EngineConfig, factory: Any) -> EngineConfig:
     """In simulation the value size is the hardware profile's; say so in the settings reported."""
-    return dataclasses.replace(config, dtype="float32" if factory.hw.dtype_bytes == 4 else "bfloat16")
+    return replace(config, dtype="float32" if factory.hw.dtype_bytes == 4 else "bfloat16")
 
 
 def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.commands import write_json
     from ferry.executor.model_executor import ModelExecutor
     from ferry.sim.calibrate import calibration_shapes, fit_profile, measure_engine_overhead, measure_steps
 
-    if args.model in _sim_presets():
-        config = dataclasses.replace(config, model=None)  # calibration runs the real model: the embedded one
+    if args.model in MODEL_PRESETS:
+        config = replace(config, model=None)  # calibration runs the real model: the embedded one
     executor = ModelExecutor(config)
     shapes = calibration_shapes(executor.num_kv_blocks * executor.block_size)
     samples = measure_steps(executor, shapes, reps=args.reps, passes=args.passes, progress=not args.no_progress)
@@ -68,12 +68,11 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     # The engine's own work around each step (scheduling, stop checks, detokenizing) is real time too.
     step_s, req_s = measure_engine_overhead(executor, config)
     print(f"engine overhead around the executor: {step_s * 1e3:.2f} ms per step + {req_s * 1e3:.3f} ms per request")
-    hw = dataclasses.replace(hw, step_overhead_ms=hw.step_overhead_ms + step_s * 1e3,
+    hw = replace(hw, step_overhead_ms=hw.step_overhead_ms + step_s * 1e3,
                              per_request_overhead_ms=hw.per_request_overhead_ms + req_s * 1e3)
     out = Path(args.out or "ferry-profile.json")
     hw.save(out)
-    if args.samples_json:
-        Path(args.samples_json).write_text(json.dumps([{"shape": s.shape, "seconds": s.seconds} for s in samples]))
+    write_json(args.samples_json, [{"shape": s.shape, "seconds": s.seconds} for s in samples])
     print(f"{len(samples)} step shapes measured; fit: linear {hw.flops / 1e9:.1f} GFLOP/s, attention "
           f"{hw.attn_flops / 1e9:.1f} GFLOP/s, memory {hw.bandwidth / 1e9:.1f} GB/s, "
           f"step overhead {hw.step_overhead_ms:.2f} ms, per request {hw.per_request_overhead_ms:.3f} ms; "
@@ -82,17 +81,12 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-def _sim_presets() -> tuple[str, ...]:
-    from ferry.sim.models import PRESETS
-
-    return PRESETS
-
 
 def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
-    from ferry.bench.commands import workload_from_args
+    from ferry.bench.commands import workload_from_args, write_json
     from ferry.bench.plots import plot_sweep
     from ferry.bench.runner import EngineFactory, engine_config, run_workload
-    from ferry.bench.sweep import SWEEPABLE, parse_list, parse_slo, split_grid
+    from ferry.bench.sweep import SWEEPABLE, format_points, parse_list, parse_slo, split_grid
     from ferry.bench.workload import with_request_rate
     from ferry.sim.tune import TUNE_GRID, ranked_within_slo, tune
 
@@ -106,21 +100,15 @@ def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
     if config.max_model_len is None:  # long enough for the workload, so chunking-off configs are comparable
         need = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
         config = engine_config(config, max_model_len=min(factory.model.max_position_embeddings, need))
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    grid = dict(TUNE_GRID)
-    for name, text in args.sweep.items():  # settings the user gave replace the default grid's
-        if text != (str(defaults[name]).lower() if isinstance(defaults[name], bool) else str(defaults[name])):
-            grid[name] = parse_list(name, text, SWEEPABLE[name])
-    config, grid = split_grid(config, grid)
+    # Settings the user gave replace the default grid's.
+    config, grid = split_grid(config, {**TUNE_GRID, **{name: parse_list(name, text, SWEEPABLE[name])
+                                                      for name, text in args.sweep.items()}})
     res = tune(config, reqs, args.request_rate, slo, factory, grid, progress=False)
     print(f"{len(res.points)} configurations simulated on {factory.hw.name}"
           + (f", {len(res.skipped)} skipped (chunking off needs max_num_batched_tokens >= max_model_len "
              f"{config.max_model_len})" if res.skipped else ""))
     print("frontier (no configuration is better on throughput, p99 TTFT and p99 TPOT at once):")
-    print(f"{'configuration':<72}{'out tok/s':>10}{'p99 TTFT':>10}{'p99 TPOT':>10}")
-    for p in res.frontier:
-        mark = "  <- best within SLO" if p is res.best else ""
-        print(f"{p['label']:<72}{p['output_throughput']:>10.1f}{p['p99_ttft_ms']:>10.1f}{p['p99_tpot_ms']:>10.1f}{mark}")
+    print("\n".join(format_points(res.frontier, lambda p: "<- best within SLO" if p is res.best else "")))
     if res.best is None:
         print(f"no configuration meets the SLO {args.slo}")
     elif res.best not in res.frontier:
@@ -144,11 +132,9 @@ def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
             print(f"{p['label']}: simulated {p['output_throughput']:.1f} tok/s, p99 TTFT {p['p99_ttft_ms']:.0f} ms, "
                   f"p99 TPOT {p['p99_tpot_ms']:.1f} ms | real {d['output_throughput']:.1f} tok/s, "
                   f"p99 TTFT {d['p99_ttft_ms']:.0f} ms, p99 TPOT {d['p99_tpot_ms']:.1f} ms")
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps({
-            "slo": slo, "grid": grid, "best": res.best, "frontier": [p["label"] for p in res.frontier],
-            "skipped": res.skipped, "points": res.points, "verified": verified}, indent=2, default=str))
-        print(f"wrote {args.output_json}")
+    write_json(args.output_json, {"slo": slo, "grid": grid, "best": res.best,
+                                  "frontier": [p["label"] for p in res.frontier], "skipped": res.skipped,
+                                  "points": res.points, "verified": verified})
     return 0
 
 
