@@ -32,3 +32,8 @@ test: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# A bounded soak of `ferry serve` (mixed, streaming, disconnecting and invalid requests; idle and RSS checks).
+.PHONY: soak
+soak: setup
+	$(BIN)/python scripts/soak.py $(SOAK_ARGS)

@@ -136,7 +136,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args))
     print(f"model loaded in {llm.startup_seconds:.1f} s")
     convs = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
-    llm.engine.step_stats.clear()
+    llm.engine.step_stats = []  # every step of the run
     t0 = time.perf_counter()
     outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     duration = time.perf_counter() - t0

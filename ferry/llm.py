@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any, Sequence
 
 from ferry.config import EngineConfig
@@ -23,8 +22,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **settings: Any) -> None:
         t0 = time.perf_counter()
-        self.config = EngineConfig.from_kwargs(model=model, **settings)
-        self.engine = LLMEngine.from_config(self.config)
+        self.engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **settings))
+        self.config = self.engine.config  # resolved: max_model_len is known
         self.startup_seconds = time.perf_counter() - t0
         self._counter = 0
 
@@ -57,7 +56,7 @@ class LLM:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 subs = []
                 for k in range(sp.n):
-                    sub_sp = sp if sp.n == 1 else _nth(sp, k)
+                    sub_sp = sp if sp.n == 1 else sp.nth(k)
                     rid = f"{self._counter}-{i}-{k}"
                     self.engine.add_request(prompt, sub_sp, request_id=rid,
                                             priority=priority[i] if priority else 0)
@@ -111,7 +110,3 @@ class LLM:
             bar.close()
         return final
 
-
-def _nth(sp: SamplingParams, k: int) -> SamplingParams:
-    """The k-th of n samples: its own seed (when seeded) so the samples differ but reproduce."""
-    return replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)

@@ -10,11 +10,15 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(embedded_dir, parity_prompts):
+def hf_model(embedded_dir):
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32)
-    model.eval()
+    return LlamaForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, parity_prompts):
+    model = hf_model
     outs = []
     with torch.inference_mode():
         for p in parity_prompts:
@@ -32,3 +36,25 @@ def test_greedy_matches_transformers(llm, parity_prompts, hf_greedy):
     for prompt, out, ref in zip(parity_prompts, outs, hf_greedy):
         assert len(ref) == NEW_TOKENS
         assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverges"
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(hf_model, parity_prompts):
+    from ferry import LLM
+
+    prompts = parity_prompts[3:6]  # 90, 150 and 230 tokens
+    with torch.inference_mode():
+        refs = [torch.log_softmax(hf_model(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
+    # A small budget cuts every prompt into chunks; a small cache forces preemption (recompute).
+    llm = LLM(max_num_batched_tokens=64, num_kv_blocks=30, max_num_seqs=3)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.engine.num_preemptions > 0
+    for p, ref, out in zip(prompts, refs, outs):
+        lps = out.prompt_logprobs
+        assert len(lps) == len(p) and lps[0] is None
+        for j in range(1, len(p)):
+            entry = lps[j]
+            assert p[j] in entry and len(entry) <= 3
+            assert abs(entry[p[j]] - float(ref[j - 1, p[j]])) < 1e-3, j
+            best = int(ref[j - 1].argmax())
+            assert best in entry and abs(entry[best] - float(ref[j - 1, best])) < 1e-3

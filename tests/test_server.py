@@ -294,7 +294,7 @@ class FailOnToken:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        for name in ("vocab_size", "tokenizer", "eos_token_id", "num_kv_blocks", "max_model_len"):
+        for name in ("vocab_size", "tokenizer", "eos_token_ids", "num_kv_blocks", "max_model_len"):
             setattr(self, name, getattr(inner, name))
 
     def execute(self, out):

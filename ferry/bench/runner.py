@@ -65,7 +65,7 @@ def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str 
     clock = engine.clock
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     prefix = f"run{next(_RUNS)}-"  # ids unique across runs on one engine
-    engine.step_stats.clear()
+    engine.step_stats = []  # every step of the run
     bar = None
     if progress:
         from tqdm import tqdm

@@ -59,3 +59,13 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # Requests whose computation failed this step: request_id -> error message.
     errors: dict[str, str] = field(default_factory=dict)
+    # Prompt logprobs computed this step: request_id -> (index of the first prompt token they
+    # score, one entry per consecutive prompt token).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+    def update(self, other: "ModelRunnerOutput") -> None:
+        """Take in the results of another part of the same step."""
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.errors.update(other.errors)
+        self.prompt_logprobs.update(other.prompt_logprobs)

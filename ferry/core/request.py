@@ -54,7 +54,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of them ends the request (unless ignore_eos)
     priority: int = 0
     max_tokens: int = 16  # resolved from sampling_params by the engine
     prompt: str | None = None
@@ -69,12 +69,16 @@ class Request:
     output_text: str = ""
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # One entry per prompt token once prefilled, when asked for; the first token has none.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     times: RequestTimes = field(init=False)
     # Set once by the scheduler: monotonically increasing arrival sequence, breaks ties.
     seq: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.append(None)
         self.times = RequestTimes(arrival=self.arrival_time)
 
     @property

@@ -194,6 +194,10 @@ class Scheduler:
                 self.finish_request(req, RequestStatus.FINISHED_ERROR)
                 changed.append(req)
                 continue
+            if rid in result.prompt_logprobs:
+                first, entries = result.prompt_logprobs[rid]
+                # A chunk recomputed after preemption scores tokens already recorded: skip those.
+                req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
             if not chunk.samples:
                 continue  # a prefill chunk short of the prompt's end: no token yet
             token = result.sampled[rid]
@@ -214,7 +218,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int, new_chars: int) -> RequestStatus | None:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
-            if token == req.eos_token_id and not sp.ignore_eos:
+            if token in req.eos_token_ids and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token

@@ -9,7 +9,7 @@ slot-steps are the waste the seed talks about, counted as padding tokens.
 """
 from __future__ import annotations
 
-from ferry.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from ferry.core.outputs import ScheduledChunk, SchedulerOutput
 from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
 
@@ -53,18 +53,15 @@ class StaticScheduler(Scheduler):
             if req in self.batch:
                 self.batch.remove(req)
             super().finish_request(req, status)
-            return
-        # Finished inside a batch: done for the user, but its slot (and blocks) stay.
-        self.running.remove(req)
-        req.status = status
-        req.times.finished = self.clock()
-        del self.requests[req.request_id]
-        self._finished_since_last_step.append(req.request_id)
-
-    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        changed = super().update_from_output(out, result)
+        else:
+            # Finished inside a batch: done for the user, but its slot (and blocks) stay.
+            self.running.remove(req)
+            req.status = status
+            req.times.finished = self.clock()
+            del self.requests[req.request_id]
+            self._finished_since_last_step.append(req.request_id)
+        # Checked on every finish, aborts included: an abort can end a batch whose others are done.
         if self.batch and all(r.is_finished for r in self.batch):
-            for req in self.batch:
-                self.kv.free(req)
+            for r in self.batch:
+                self.kv.free(r)
             self.batch = []
-        return changed

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -91,6 +90,7 @@ class AsyncEngine:
         self.streams: dict[str, tuple[Stream, int]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping = False
+        self.draining = False  # shutting down: no new requests
         self.error: BaseException | None = None
         self._counter = 0
         built = threading.Event()
@@ -99,7 +99,6 @@ class AsyncEngine:
         def main() -> None:
             try:
                 self.engine = engine() if callable(engine) else engine
-                self.engine.step_stats = deque(maxlen=1000)  # type: ignore[assignment]  # a server runs for ever
             except BaseException as e:
                 failure.append(e)
                 return
@@ -122,40 +121,71 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Abort everything in flight and stop the step loop."""
-        with self.lock:
-            for rid in list(self.engine.scheduler.requests):
-                self.engine.abort(rid)
+        self.abort_all()
         self.stopping = True
         self.wake.set()
         self.started.set()
         await asyncio.to_thread(self.thread.join, 30)
         self._fail_all(EngineDead("the server is shutting down"))
 
+    def abort_all(self) -> int:
+        """Abort every unfinished request (shutdown). Each stream still open gets its final,
+        aborted output, so it can end in good order. Returns how many were aborted."""
+        self.draining = True
+        with self.lock:
+            outputs = [self.engine.abort(rid) for rid in list(self.engine.scheduler.requests)]
+            if outputs and self.on_abort is not None:
+                self.on_abort(len(outputs))
+        if outputs and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._deliver, outputs)
+        self.wake.set()
+        return len(outputs)
+
+    def num_unfinished(self) -> int:
+        with self.lock:
+            return len(self.engine.scheduler.requests)
+
     # ------------------------------------------------------------------ requests
     async def submit(self, subs: list[SubRequest]) -> Stream:
         """Queue every sub-request, or none: a ValueError (bad input) or EngineOverloaded leaves
-        the engine untouched."""
+        the engine untouched. Tokenizing and checking happen before the engine's lock is taken,
+        so a large prompt never holds up the step loop."""
         if self.error is not None:
             raise EngineDead(f"the engine stopped: {self.error}")
         return await asyncio.to_thread(self._submit, subs)
 
     def _submit(self, subs: list[SubRequest]) -> Stream:
+        if self.draining:
+            raise EngineOverloaded("the server is shutting down and takes no new requests")
+        limit = self.max_waiting_requests
+        if limit is not None and len(subs) > limit:
+            raise ValueError(f"n ({len(subs)} sequences in all, n times the prompts) is more than the server "
+                             f"can ever queue (--max-waiting-requests {limit}); send fewer at once")
+        engine = self.engine
+        token_ids: dict[int, list[int]] = {}  # by prompt object: n copies share one tokenization
+        for sub in subs:
+            if id(sub.prompt) not in token_ids:
+                token_ids[id(sub.prompt)] = engine.tokenize(sub.prompt) if isinstance(sub.prompt, str) \
+                    else list(sub.prompt)
+            engine.check_request(token_ids[id(sub.prompt)], sub.params)
         with self.lock:
-            sched = self.engine.scheduler
-            if self.max_waiting_requests is not None and sched.num_waiting + len(subs) > self.max_waiting_requests:
+            sched = engine.scheduler
+            if limit is not None and sched.num_waiting + len(subs) > limit:
                 raise EngineOverloaded(f"{sched.num_waiting} requests are waiting (the limit is "
-                                       f"{self.max_waiting_requests}); retry later")
+                                       f"{limit}); retry later")
             self._counter += 1
             ids = [f"req-{self._counter}-{i}" for i in range(len(subs))]
             stream = Stream(self, ids)
             added: list[str] = []
             try:
                 for rid, sub in zip(ids, subs):
-                    self.engine.add_request(sub.prompt, sub.params, request_id=rid, priority=sub.priority)
+                    engine.add_request(token_ids[id(sub.prompt)], sub.params, request_id=rid,
+                                       priority=sub.priority,
+                                       prompt_text=sub.prompt if isinstance(sub.prompt, str) else None)
                     added.append(rid)
             except Exception:
                 for rid in added:
-                    self.engine.abort(rid)
+                    engine.abort(rid)
                 raise
             for i, rid in enumerate(ids):
                 self.streams[rid] = (stream, i)

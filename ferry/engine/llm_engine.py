@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Callable, Protocol
+from collections import deque
+from dataclasses import replace
+from typing import Any, Callable, MutableSequence, Protocol, Sequence
 
 from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
+from ferry.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from ferry.core.request import Request
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
@@ -18,6 +20,8 @@ from ferry.engine.outputs import RequestOutput
 from ferry.engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
+
+STEP_STATS_KEPT = 1000
 
 
 class Executor(Protocol):
@@ -30,18 +34,21 @@ class LLMEngine:
     """Adds requests, steps them, aborts them. Everything else builds on these three."""
 
     def __init__(self, config: EngineConfig, executor: Executor, num_kv_blocks: int,
-                 tokenizer: Any = None, eos_token_id: int | None = None,
+                 tokenizer: Any = None, eos_token_ids: Sequence[int] = (),
                  clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.config.check_model_len()
         self.executor = executor
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock or WallClock()
         self.kv = KVCacheManager(num_kv_blocks, config.block_size)
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, self.clock)
-        self.step_stats: list[StepStats] = []
+        # The latest steps only: an engine may run for ever. A benchmark that wants every step
+        # of a run puts a list here first.
+        self.step_stats: MutableSequence[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        self.num_failed_requests = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, executor: Any = None) -> "LLMEngine":
@@ -50,46 +57,71 @@ class LLMEngine:
             from ferry.executor.model_executor import ModelExecutor  # torch lives there
 
             executor = ModelExecutor(config)
-        if config.max_model_len is None:
-            config.max_model_len = executor.max_model_len
+        if config.max_model_len is None:  # resolved into a new config: the caller's stays as it was
+            config = replace(config, max_model_len=executor.max_model_len)
         return cls(config, executor, executor.num_kv_blocks, tokenizer=executor.tokenizer,
-                   eos_token_id=executor.eos_token_id)
+                   eos_token_ids=executor.eos_token_ids)
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> Request:
-        """Queue one request. Raises ValueError (naming the problem) if it can never be served."""
+                    priority: int = 0, prompt_text: str | None = None) -> Request:
+        """Queue one request. Raises ValueError (naming the problem) if it can never be served.
+
+        ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier
+        (a server tokenizes outside the engine's lock, with ``tokenize``).
+        """
         sp = sampling_params or SamplingParams()
-        text: str | None = None
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            text = prompt
-            # As vLLM does for completions: the tokenizer adds BOS where the model expects one.
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+            prompt_text, token_ids = prompt, self.tokenize(prompt)
         else:
             token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty: a request needs at least one prompt token")
-        vocab = getattr(self.executor, "vocab_size", None)
-        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detect them")
+        self.check_request(token_ids, sp)
         req = Request(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
             prompt_token_ids=token_ids, sampling_params=sp,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_id=self.eos_token_id, priority=priority, prompt=text,
+            eos_token_ids=self.eos_token_ids, priority=priority, prompt=prompt_text,
             detokenizer=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
             if self.tokenizer is not None else None)
         self.scheduler.add_request(req)
         return req
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now; its KV blocks return to the pool at once."""
+    def tokenize(self, text: str) -> list[int]:
+        """A text prompt's token ids, as vLLM makes them for completions (BOS added where the
+        model expects one). A text too long to fit max_model_len whatever it says is refused
+        before any of it is tokenized: no token is longer than the longest in the vocabulary."""
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if len(text) > max_len * self.tokenizer.max_token_chars:
+            raise ValueError(f"prompt has {len(text)} characters, so more tokens than max_model_len "
+                             f"({max_len}) allows")
+        return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+
+    def check_request(self, token_ids: list[int], sp: SamplingParams) -> None:
+        """Raise ValueError, naming the field, for what no step could serve. Safe to call
+        without holding the engine (it reads only settings): a server checks before queueing."""
+        if not token_ids:
+            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        vocab = getattr(self.executor, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if vocab is not None and sp.logit_bias and any(t >= vocab for t in sp.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detect them")
+        check = getattr(self.executor, "check_sampling_params", None)
+        if check is not None:
+            check(sp)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now; its KV blocks return to the pool at once. Returns its last output."""
+        req = self.scheduler.requests.get(request_id)
         self.scheduler.abort_request(request_id)
+        assert req is not None
+        return RequestOutput.from_request(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -101,15 +133,49 @@ class LLMEngine:
         if out.is_empty:
             return []
         start = self.clock()
-        try:
-            result = self.executor.execute(out)
-        except Exception as e:  # the step failed: fail its requests, keep the engine alive
-            log.exception("step failed")
-            msg = f"{type(e).__name__}: {e}"
-            result = ModelRunnerOutput(errors={c.request.request_id: msg for c in out.chunks})
+        result = self._execute(out)
         changed = self.scheduler.update_from_output(out, result)
         self._record_step(out, start)
         return [RequestOutput.from_request(r) for r in changed if r.is_finished or not finished_only]
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step; if it raises, find the request(s) that make it fail and fail only those.
+
+        A step's chunks are independent (each writes only its own KV slots and samples its own
+        row, and a seeded draw depends only on (seed, token index)), so re-running a subset of
+        them is the same work as running it in the whole step. Halving the failing group until
+        single requests remain isolates the culprit in O(log n) retries; the others' results
+        are those of a clean run.
+        """
+        try:
+            return self.executor.execute(out)
+        except Exception as e:
+            if len(out.chunks) == 1:
+                return self._fail(out.chunks, e)
+            log.warning("a step of %d requests failed (%s: %s); retrying in smaller groups to find "
+                        "the request that causes it", len(out.chunks), type(e).__name__, e)
+        result = ModelRunnerOutput()
+        groups = [out.chunks]
+        while groups:
+            chunks = groups.pop()
+            half = len(chunks) // 2
+            try:
+                part = self.executor.execute(replace(out, chunks=chunks))
+            except Exception as e:
+                if len(chunks) == 1:
+                    part = self._fail(chunks, e)
+                else:
+                    groups += [chunks[half:], chunks[:half]]
+                    continue
+            result.update(part)
+        return result
+
+    def _fail(self, chunks: list[ScheduledChunk], e: Exception) -> ModelRunnerOutput:
+        rid = chunks[0].request.request_id
+        log.error("request %s failed: its step raised %s: %s", rid, type(e).__name__, e,
+                  exc_info=(type(e), e, e.__traceback__))
+        self.num_failed_requests += 1
+        return ModelRunnerOutput(errors={rid: f"{type(e).__name__}: {e}"})
 
     def _record_step(self, out: SchedulerOutput, start: float) -> None:
         kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}
@@ -130,6 +196,11 @@ class LLMEngine:
             num_preempted=len(out.preempted_req_ids), prefill_ids=tuple(kinds["prefill"]),
             decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
             preempted_ids=tuple(out.preempted_req_ids)))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's main end-of-sequence token (every id in ``eos_token_ids`` stops a request)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def num_kv_blocks(self) -> int:

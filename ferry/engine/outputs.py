@@ -66,6 +66,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # Per prompt token once prefilled (None for the first), when asked for with prompt_logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def from_request(cls, req: Request, index: int = 0) -> "RequestOutput":
@@ -79,6 +81,9 @@ class RequestOutput:
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None)],
             finished=req.is_finished,
+            # Only with the first token and the last output: a long prompt's list is not copied every step.
+            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None
+            and (req.num_output_tokens <= 1 or req.is_finished) else None,
             metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished,
                                    list(t.token_times), req.num_preemptions,
                                    req.num_recomputed_tokens),

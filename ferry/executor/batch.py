@@ -20,8 +20,10 @@ class PackedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling_chunks: list[ScheduledChunk]  # one per logits row, same order
+    logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
+    sampling_chunks: list[ScheduledChunk]  # one per sampling row, same order
+    # Chunks that score prompt tokens: (chunk, index of the first token scored, how many).
+    prompt_spans: list[tuple[ScheduledChunk, int, int]]
 
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -72,8 +74,16 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
 
     sampling: list[ScheduledChunk] = []
     logit_rows: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_spans: list[tuple[ScheduledChunk, int, int]] = []
     row = 0
     for c in ordered:
+        if c.request.sampling_params.prompt_logprobs is not None and not c.padding:
+            # Position p's logits score prompt token p + 1.
+            n = min(c.start + c.num_tokens, c.request.num_prompt_tokens - 1) - c.start
+            if n > 0:
+                prompt_rows.extend(range(row, row + n))
+                prompt_spans.append((c, c.start + 1, n))
         row += c.num_tokens
         if c.samples and not c.padding:
             sampling.append(c)
@@ -85,4 +95,5 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),
-        meta=meta, logits_indices=torch.tensor(logit_rows, dtype=torch.long), sampling_chunks=sampling)
+        meta=meta, logits_indices=torch.tensor(logit_rows + prompt_rows, dtype=torch.long),
+        sampling_chunks=sampling, prompt_spans=prompt_spans)

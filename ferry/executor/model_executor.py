@@ -8,9 +8,11 @@ import torch
 
 from ferry.config import EngineConfig
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
+from ferry.core.sampling_params import SamplingParams
 from ferry.executor.batch import pack
-from ferry.executor.sampler import Sampler
-from ferry.model.config import ModelConfig
+from ferry.executor.sampler import Sampler, prompt_logprobs
+from ferry.executor.structured import GrammarCompiler
+from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.llama import LlamaModel
 from ferry.model.loader import DTYPES, dummy_weights, load_safetensors, resolve_model_dir
 from ferry.model.tokenizer import load_tokenizer
@@ -18,8 +20,25 @@ from ferry.model.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
+def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
+    """The context length to serve: ``asked``, or the model's own, within what ferry computes exactly."""
+    limit, why = cfg.max_position_embeddings, "the model's max_position_embeddings"
+    if cfg.sliding_window is not None and cfg.sliding_window < limit:
+        # Sliding-window attention is not implemented: within the window it equals full attention,
+        # so serve up to the window and never give a silently different answer beyond it.
+        limit, why = cfg.sliding_window, (f"the model's sliding_window (ferry does not implement sliding-window "
+                                          f"attention, so it serves contexts up to the window only)")
+        if asked is None:
+            log.warning("max_model_len set to %d: %s", limit, why)
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len ({asked}) is more than {why} ({limit})")
+    return asked
+
+
 class ModelExecutor:
-    """Runs the real model. Resolves ``config.max_model_len`` and sizes the KV cache."""
+    """Runs the real model. Resolves the model length (``max_model_len``) and sizes the KV cache."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
@@ -32,22 +51,19 @@ class ModelExecutor:
                 raise ValueError(f"dtype {config.dtype!r} is not supported on this device: {e}") from None
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         cfg = ModelConfig.from_dir(model_dir)
-        if config.max_model_len is None:
-            config.max_model_len = cfg.max_position_embeddings
-        elif config.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        self.max_model_len = resolve_max_model_len(cfg, config.max_model_len)
         weights = dummy_weights(cfg, config.seed) if config.load_format == "dummy" else load_safetensors(model_dir)
-        self.max_model_len = config.max_model_len
-        self.model = LlamaModel(cfg, weights, dtype, config.max_model_len)
+        self.model = LlamaModel(cfg, weights, dtype, self.max_model_len)
         del weights
         self.model_config = cfg
         self.model_dir = model_dir
         self.vocab_size = cfg.vocab_size
         self.tokenizer = load_tokenizer(model_dir)
-        self.eos_token_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_id = self.tokenizer.eos_token_id
+        # Every end-of-sequence id stops a request: the tokenizer's, config.json's and
+        # generation_config.json's (Llama 3 lists several); the tokenizer's comes first.
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
+        self.eos_token_ids = tuple(dict.fromkeys(
+            t for t in eos + cfg.eos_token_ids + generation_eos_ids(model_dir) if t is not None))
         self.block_size = config.block_size
         bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim \
             * torch.tensor([], dtype=dtype).element_size()
@@ -59,7 +75,14 @@ class ModelExecutor:
         shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
         cache = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
-        self.sampler = Sampler(config.seed)
+        # Builds nothing until a request asks for structured outputs.
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(config.seed, grammars=self.grammars)
+
+    def check_sampling_params(self, sp: SamplingParams) -> None:
+        """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar."""
+        if sp.structured_outputs is not None:
+            self.grammars.validate(sp.structured_outputs)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(out.finished_req_ids)
@@ -67,9 +90,12 @@ class ModelExecutor:
         logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                     batch.logits_indices)
         result = ModelRunnerOutput()
-        if batch.sampling_chunks:
+        n = len(batch.sampling_chunks)
+        if n:
             reqs = [c.request for c in batch.sampling_chunks]
-            tokens, logprobs = self.sampler.sample(logits, reqs)
+            tokens, logprobs = self.sampler.sample(logits[:n], reqs)
             result.sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
             result.logprobs = logprobs
+        if batch.prompt_spans:
+            result.prompt_logprobs = prompt_logprobs(logits[n:], batch.prompt_spans)
         return result

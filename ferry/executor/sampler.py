@@ -1,9 +1,17 @@
 """Turn logits into next tokens: penalties, greedy or random sampling, logprobs."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
+from ferry.core.outputs import ScheduledChunk
 from ferry.core.request import Request
+from ferry.executor.structured import GrammarCompiler, RequestGrammar
+
+# Grammar matchers kept: past this the least recently used goes, and is rebuilt by replaying its
+# request's output if that request comes back, so a request never reported finished cannot leak.
+MAX_GRAMMARS = 1024
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> None:
@@ -36,39 +44,82 @@ def _filter(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torc
 
 
 class Sampler:
-    """Samples one token per row. Seeded requests get their own generator (reproducible)."""
+    """Samples one token per row.
 
-    def __init__(self, seed: int = 0) -> None:
+    A seeded request's draw for its k-th output token comes from a generator seeded with
+    (seed, k) alone: the same tokens however its steps are batched, retried or preempted.
+    """
+
+    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+        self._seeded = torch.Generator()
+        self.grammars = grammars
+        # request id -> (the request, its matcher); the request too, so a reused id starts afresh.
+        self._matchers: OrderedDict[str, tuple[Request, RequestGrammar]] = OrderedDict()
 
     def forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.request_generators.pop(rid, None)
+        """Drop per-request state (grammar matchers) of finished or aborted requests."""
+        if self._matchers:
+            for rid in request_ids:
+                self._matchers.pop(rid, None)
+
+    def _matcher(self, req: Request) -> RequestGrammar:
+        entry = self._matchers.get(req.request_id)
+        if entry is not None and entry[0] is req:
+            self._matchers.move_to_end(req.request_id)
+            return entry[1]
+        if self.grammars is None:
+            raise ValueError("structured_outputs are not supported by this executor")
+        g = self.grammars.new_request(req.sampling_params.structured_outputs)
+        self._matchers[req.request_id] = (req, g)
+        while len(self._matchers) > MAX_GRAMMARS:
+            self._matchers.popitem(last=False)
+        return g
+
+    def _apply_grammars(self, logits: torch.Tensor, raw: torch.Tensor, reqs: list[Request],
+                        rows: list[int]) -> list[RequestGrammar]:
+        """Mask each structured row to the tokens its grammar allows next (greedy rows too)."""
+        matchers = []
+        for i in rows:
+            r = reqs[i]
+            g = self._matcher(r)
+            g.mask(logits[i], r.output_token_ids)
+            # min_tokens may have banned the stop token that is all the grammar allows: the grammar
+            # wins, or nothing would be left to sample.
+            if r.num_output_tokens < r.sampling_params.min_tokens and not torch.isfinite(logits[i]).any():
+                logits[i] = raw[i]
+                g.mask(logits[i], r.output_token_ids)
+            matchers.append(g)
+        return matchers
 
     def _generator(self, req: Request) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self.generator
-        g = self.request_generators.get(req.request_id)
-        if g is None:
-            g = self.request_generators[req.request_id] = torch.Generator().manual_seed(seed)
-        return g
+        # A 64-bit mix of (seed, token index): distinct streams for each token of each seed.
+        return self._seeded.manual_seed((seed * 0x9E3779B97F4A7C15 + req.num_output_tokens) % 2**64)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], dict[str, dict[int, float]]]:
         """logits: [N, V] float32, one row per request. Returns tokens and requested logprobs."""
         raw = logits
-        if any(r.sampling_params.has_penalties or r.num_output_tokens < r.sampling_params.min_tokens
-               for r in reqs):
+        guided = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs is not None]
+        matchers: list[RequestGrammar] = []
+        if guided or any(r.sampling_params.has_penalties or r.sampling_params.logit_bias
+                         or r.num_output_tokens < r.sampling_params.min_tokens for r in reqs):
             logits = logits.clone()
             for i, r in enumerate(reqs):
                 sp = r.sampling_params
                 if sp.has_penalties:
                     apply_penalties(logits[i], r)
+                if sp.logit_bias:
+                    ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
+                    logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype)
                 if r.num_output_tokens < sp.min_tokens:
-                    banned = list(sp.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None else [])
+                    banned = list(sp.stop_token_ids) + list(r.eos_token_ids)
                     if banned:
                         logits[i, banned] = float("-inf")
+            if guided:
+                matchers = self._apply_grammars(logits, raw, reqs, guided)
         tokens = logits.argmax(dim=-1).tolist()
         for i, r in enumerate(reqs):
             sp = r.sampling_params
@@ -79,6 +130,8 @@ class Sampler:
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
             e = torch.empty_like(probs).exponential_(generator=self._generator(r))
             tokens[i] = int((probs / e).argmax())
+        for i, g in zip(guided, matchers):
+            g.advance(tokens[i])
         logprobs: dict[str, dict[int, float]] = {}
         for i, r in enumerate(reqs):
             n = r.sampling_params.logprobs
@@ -91,3 +144,28 @@ class Sampler:
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             logprobs[r.request_id] = entry
         return tokens, logprobs
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[ScheduledChunk, int, int]]
+                    ) -> dict[str, tuple[int, list[dict[int, float]]]]:
+    """Logprobs of prompt tokens from the rows that precede them (``spans`` as in PackedBatch):
+    each token's own logprob plus the top ``prompt_logprobs`` alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out: dict[str, tuple[int, list[dict[int, float]]]] = {}
+    row = 0
+    for chunk, first, n in spans:
+        req = chunk.request
+        targets = req.prompt_token_ids[first:first + n]
+        rows = lp[row:row + n]
+        own = rows.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+        k = req.sampling_params.prompt_logprobs
+        top = rows.topk(k, dim=-1) if k else None
+        entries = []
+        for i, (tid, v) in enumerate(zip(targets, own)):
+            entry = {tid: v}
+            if top is not None:
+                entry.update(zip(top.indices[i].tolist(), top.values[i].tolist()))
+            entries.append(entry)
+        out[req.request_id] = (first, entries)
+        row += n
+    return out

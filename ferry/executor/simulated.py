@@ -17,7 +17,7 @@ class SimulatedExecutor:
         self.clock = clock
         self.vocab_size = cost.model.vocab_size
         self.tokenizer = None
-        self.eos_token_id = None
+        self.eos_token_ids = ()
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         sampled = {c.request.request_id: 0 for c in out.chunks if c.samples and not c.padding}

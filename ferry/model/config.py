@@ -27,6 +27,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: list[int]
+    sliding_window: int | None = None  # attention looks this many tokens back (Mistral); None: all
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
@@ -43,7 +44,6 @@ class ModelConfig:
         try:
             heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-            eos = d.get("eos_token_id")
             return cls(
                 architecture=arch,
                 vocab_size=d["vocab_size"],
@@ -59,7 +59,10 @@ class ModelConfig:
                 max_position_embeddings=d.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
-                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                eos_token_ids=_id_list(d.get("eos_token_id")),
+                # Qwen2 configs carry a window they do not use unless use_sliding_window is set.
+                sliding_window=d.get("sliding_window") if arch != "Qwen2ForCausalLM" or d.get("use_sliding_window")
+                else None,
             )
         except KeyError as e:
             raise ValueError(f"{where} lacks the field {e.args[0]!r}") from None
@@ -70,6 +73,18 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
         return cls.from_dict(json.loads(path.read_text()), where=str(path))
+
+
+def generation_eos_ids(model_dir: str | Path) -> list[int]:
+    """The end-of-sequence ids in ``generation_config.json`` (one id or a list), if there is one."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    return _id_list(json.loads(path.read_text()).get("eos_token_id"))
+
+
+def _id_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
 
 def _rope_scaling(rope: dict[str, Any], where: str) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ so a start that never chats does not pay for importing transformers.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,18 @@ class Tokenizer:
         self.has_chat_template = bool(cfg.get("chat_template")) or (model_dir / "chat_template.jinja").is_file()
         self._hf: Any = None
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest token (special tokens included): a bound on what one token covers."""
+        return max(map(len, self._fast.get_vocab(with_added_tokens=True)))
+
     def __len__(self) -> int:
         return self._fast.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized
+        # in a server's worker thread must not stall its event loop.
+        return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._fast.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP API over the async engine.
 
-Routes: GET /health, GET /v1/models, GET /metrics, POST /v1/completions, POST /v1/chat/completions.
-Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+Routes: GET|HEAD /health, GET /v1/models[/{id}], GET /metrics, POST /v1/completions,
+POST /v1/chat/completions. Every error, whatever raised it, has OpenAI's body:
+{"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -16,14 +18,22 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, Stream, SubRequest
-from ferry.engine.outputs import RequestOutput
+from ferry.engine.outputs import CompletionOutput, RequestOutput
+from ferry.server.guard import Guard
+from ferry.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from ferry.server.metrics import ServerMetrics
-from ferry.server.protocol import ChatCompletionRequest, CompletionRequest
+from ferry.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 class APIError(Exception):
@@ -40,20 +50,27 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 _FIELD = re.compile(r"^(?:prompt \(|prompt |)([a-z_]+)")
+# pydantic names the union member or type it tried ("list[int]", "constrained-float"); users want the path
+_TYPE_IN_LOC = re.compile(r"^(str|int|float|bool|list|dict|function|constrained)\b")
 
 
 def _bad_value(e: ValueError) -> APIError:
     """A ValueError from SamplingParams or the engine: its message starts with the field it is about."""
+    if isinstance(e, UnsupportedField):
+        return APIError(400, str(e), param=e.field, code="unsupported_field")
     msg = str(e)
     m = _FIELD.match(msg)
     param = "prompt" if msg.startswith("prompt") else (m.group(1) if m else None)
     return APIError(400, msg, param=param)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """The ASGI app. The engine's step loop starts with the app and stops with it."""
     llm = engine.engine
     tokenizer = llm.tokenizer
+    max_model_len = llm.config.max_model_len
     metrics = ServerMetrics(llm, model_name)
     engine.on_step = metrics.on_step
     engine.on_abort = metrics.on_abort
@@ -65,10 +82,26 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         await engine.stop()
 
     app = FastAPI(title="ferry", lifespan=lifespan)
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    if allowed_origins:  # outermost, so a browser's preflight is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
+                   f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(APIError(e.status_code, message, "not_found_error" if e.status_code == 404
+                                       else "invalid_request_error", headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -79,40 +112,47 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         parts, param = [], None
         for err in errs[:3]:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            # pydantic names the union member it tried ("list[int]"); the user wants the field path
-            loc = [x for x in loc if not re.match(r"^(str|int|list|dict)\b", x)]
+            loc = [x for x in loc if not _TYPE_IN_LOC.match(x)]
             field = ".".join(loc) or "body"
-            param = param or (loc[0] if loc else None)
+            # A whole-body check names its field at the start of its message.
+            m = re.match(r"Value error, ([a-z_]+)", str(err.get("msg"))) if not loc else None
+            param = param or (loc[0] if loc else m.group(1) if m else None)
             parts.append(f"{field}: {err.get('msg')}")
         return error_response(APIError(400, "; ".join(parts), param=param))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                               code="invalid_api_key"))
-        return await call_next(request)
-
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.error is not None:
             return error_response(APIError(503, f"engine stopped: {engine.error}", "server_error"))
         return Response(status_code=200)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "ferry",
+                "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "ferry", "max_model_len": llm.config.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(400, f"model {name!r} does not exist; this server serves {model_name!r}",
+    def check_request(body: Any) -> None:
+        if body.model is not None and body.model != model_name:
+            raise APIError(400, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        try:
+            body.check_supported()
+        except ValueError as e:
+            raise _bad_value(e) from None
 
     async def submit(subs: list[SubRequest]) -> Stream:
         try:
@@ -127,65 +167,101 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     def sub_requests(prompts: list[str | list[int]], sp: SamplingParams, n: int, priority: int) -> list[SubRequest]:
         if not 1 <= n <= 128:
             raise APIError(400, f"n must be an integer in [1, 128], got {n}", param="n")
-        return [SubRequest(p, sp if n == 1 else replace(sp, seed=None if sp.seed is None else sp.seed + k), priority)
-                for p in prompts for k in range(n)]
+        return [SubRequest(p, sp if n == 1 else sp.nth(k), priority) for p in prompts for k in range(n)]
 
-    def params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def params(body: Any, max_tokens: int | None, logprobs: int | None,
+               prompt_logprobs: int | None) -> SamplingParams:
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise _bad_value(e) from None
 
     # ------------------------------------------------------------------ completions
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        check_model(body.model)
+        check_request(body)
         prompts = _prompts(body.prompt)
-        sp = params(body, body.max_tokens, body.logprobs)
+        max_tokens, echo_only = body.max_tokens, False
+        if max_tokens == 0:
+            if not body.echo:
+                raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)",
+                               param="max_tokens")
+            # Score the prompt only: one token is generated (the step needs it) and not returned.
+            max_tokens, echo_only = 1, True
+        want_lp = body.logprobs is not None
+        prompt_lp = body.prompt_logprobs
+        if body.echo and want_lp:
+            prompt_lp = max(prompt_lp or 0, body.logprobs or 0)
+        sp = params(body, max_tokens, body.logprobs, prompt_lp)
         stream = await submit(sub_requests(prompts, sp, body.n, body.priority))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = [(_prompt_text(p, tokenizer) if body.echo else "") for p in prompts for _ in range(body.n)]
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        want_lp = body.logprobs is not None
+        view = _prompt_only if echo_only else None
+
+        def logprobs(i: int, out: RequestOutput, ntok: int, offset: int) -> dict[str, Any] | None:
+            if not want_lp:
+                return None
+            # With echo, the prompt's tokens lead the first chunk's logprobs (the first has none).
+            prompt = out.prompt_logprobs if body.echo and ntok == 0 else None
+            return completion_logprobs(out.prompt_token_ids if prompt else [], prompt, out.outputs[0], tokenizer,
+                                       ntok, offset)
+
+        def extra(out: RequestOutput) -> dict[str, Any]:
+            if body.prompt_logprobs is None:
+                return {}
+            return {"prompt_logprobs": prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs, tokenizer)}
 
         if body.stream:
-            def choice(i: int, delta: str, comp: Any, ntok: int, sent: int, finished: bool) -> dict[str, Any]:
-                lp = _completion_logprobs(comp, tokenizer, ntok, len(echo[i]) + sent) if want_lp else None
-                return _choice(i, delta, lp, comp.finish_reason if finished else None)
+            def choice(i: int, delta: str, out: RequestOutput, ntok: int, sent: int, finished: bool) -> dict[str, Any]:
+                lead = echo[i] if ntok == 0 else ""
+                return {**_choice(i, lead + delta, logprobs(i, out, ntok, len(echo[i]) + sent if ntok else 0),
+                                  out.outputs[0].finish_reason if finished else None),
+                        **(extra(out) if ntok == 0 else {})}
 
-            opening = [_choice(i, text, None, None) for i, text in enumerate(echo) if text]
-            events = _sse_events(stream, sp.stop, body.n, len(echo), base, _include_usage(body), opening, choice)
+            events = _sse_events(stream, sp.stop, body.n, len(echo), base, _include_usage(body), [], choice, view)
             return StreamingResponse(events, media_type="text/event-stream")
 
-        def full_choice(i: int, comp: Any) -> dict[str, Any]:
-            lp = _completion_logprobs(comp, tokenizer, 0, len(echo[i])) if want_lp else None
-            return _choice(i, echo[i] + comp.text, lp, comp.finish_reason)
+        def full_choice(i: int, out: RequestOutput) -> dict[str, Any]:
+            comp = out.outputs[0]
+            return {**_choice(i, echo[i] + comp.text, logprobs(i, out, 0, 0), comp.finish_reason), **extra(out)}
 
-        return _response(await _collect(stream, raw), body.n, base, full_choice)
+        return _response(await _collect(stream, raw, view), body.n, base, full_choice)
 
     # ------------------------------------------------------------------ chat
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
+        check_request(body)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer and chat template; use /v1/completions with token ids")
         conv = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(conv)
+        chars = sum(len(m["content"]) for m in conv)
+        if chars > max_model_len * tokenizer.max_token_chars:
+            raise APIError(400, f"messages have {chars} characters, so more tokens than max_model_len "
+                           f"({max_model_len}) allows", param="messages")
+        try:  # rendering and tokenizing a long conversation must not hold up the event loop
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, conv)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        sp = params(body, body.max_completion_tokens or body.max_tokens, (top or 0) if body.logprobs else None)
+        # OpenAI's newer name wins when both are sent.
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(body, field)
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{field} must be an integer >= 1, got {max_tokens}", param=field)
+        sp = params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs)
         stream = await submit(sub_requests([prompt], sp, body.n, body.priority))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
 
         if body.stream:
-            def delta_choice(i: int, delta: str, comp: Any, ntok: int, sent: int, finished: bool) -> dict[str, Any]:
+            def delta_choice(i: int, delta: str, out: RequestOutput, ntok: int, sent: int,
+                             finished: bool) -> dict[str, Any]:
+                comp = out.outputs[0]
                 return {"index": i, "delta": {"content": delta} if delta else {},
-                        "logprobs": _chat_logprobs(comp, tokenizer, ntok, top or 0) if body.logprobs else None,
+                        "logprobs": chat_logprobs(comp, tokenizer, ntok, top or 0) if body.logprobs else None,
                         "finish_reason": comp.finish_reason if finished else None}
 
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -194,22 +270,33 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                                  _include_usage(body), opening, delta_choice)
             return StreamingResponse(events, media_type="text/event-stream")
 
-        def message_choice(i: int, comp: Any) -> dict[str, Any]:
+        def message_choice(i: int, out: RequestOutput) -> dict[str, Any]:
+            comp = out.outputs[0]
             return {"index": i, "message": {"role": "assistant", "content": comp.text},
-                    "logprobs": _chat_logprobs(comp, tokenizer, 0, top or 0) if body.logprobs else None,
+                    "logprobs": chat_logprobs(comp, tokenizer, 0, top or 0) if body.logprobs else None,
                     "finish_reason": comp.finish_reason}
 
-        return _response(await _collect(stream, raw), body.n, base, message_choice)
+        finals = await _collect(stream, raw)
+        response = _response(finals, body.n, base, message_choice)
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_token_ids,
+                                                               finals[0].prompt_logprobs, tokenizer)
+        return response
 
     return app
 
 
 # ---------------------------------------------------------------------- helpers
+View = Callable[[RequestOutput], RequestOutput]
+
+
 async def _sse_events(stream: Stream, stop: list[str], n: int, num_choices: int, base: dict[str, Any],
                       include_usage: bool, opening: list[dict[str, Any]],
-                      choice: Callable[[int, str, Any, int, int, bool], dict[str, Any]]) -> AsyncIterator[str]:
+                      choice: Callable[[int, str, RequestOutput, int, int, bool], dict[str, Any]],
+                      view: View | None = None) -> AsyncIterator[str]:
     """Server-sent events for a stream of outputs: one chunk per new text (``choice`` shapes it),
-    then usage if asked, then [DONE]. Leaving early (a disconnect) aborts what is unfinished."""
+    then usage if asked, then [DONE]. A request that fails or is aborted by the server ends its
+    stream with an error event and [DONE]. Leaving early (a disconnect) aborts what is unfinished."""
     sent = [0] * num_choices  # characters already sent, per choice
     ntok = [0] * num_choices  # tokens already covered (for logprobs)
     usage = _Usage()
@@ -217,29 +304,56 @@ async def _sse_events(stream: Stream, stop: list[str], n: int, num_choices: int,
         for c in opening:
             yield _sse({**base, "choices": [c]})
         async for i, out in stream:
+            error = _error_of(out)
+            if error is not None:
+                yield _sse({"error": {"message": error.message, "type": error.type, "param": None,
+                                      "code": error.code}})
+                break
+            if view is not None:
+                out = view(out)
             comp = out.outputs[0]
-            if comp.finish_reason == "error":
-                yield _sse({"error": _step_error(comp)})
-                return
             usage.add(i, out, n)
             delta, upto = _delta(comp.text, sent[i], out.finished, stop)
             if delta or out.finished:
-                yield _sse({**base, "choices": [choice(i, delta, comp, ntok[i], sent[i], out.finished)]})
-                sent[i], ntok[i] = upto, len(comp.token_ids)
-        if include_usage:
-            yield _sse({**base, "choices": [], "usage": usage.dict()})
+                yield _sse({**base, "choices": [choice(i, delta, out, ntok[i], sent[i], out.finished)]})
+                sent[i], ntok[i] = upto, len(comp.token_ids) or 1
+        else:
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": usage.dict()})
+        yield "data: [DONE]\n\n"
+    except EngineDead as e:
+        yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         yield "data: [DONE]\n\n"
     finally:
         await stream.close()
 
 
+def _error_of(out: RequestOutput) -> APIError | None:
+    """The error a final output stands for: its step failed, or the server aborted it."""
+    comp = out.outputs[0]
+    if comp.finish_reason == "error":
+        return APIError(500, f"the engine step failed: {comp.stop_reason}", "server_error")
+    if comp.finish_reason == "abort":  # a client's own abort has no one left to tell
+        return APIError(503, "the request was aborted: the server is shutting down", "server_error",
+                        code="aborted")
+    return None
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """The output of a request that only scores its prompt (echo with max_tokens 0)."""
+    comp = out.outputs[0]
+    empty = CompletionOutput(index=comp.index, text="", token_ids=[], finish_reason="length",
+                             logprobs=None if comp.logprobs is None else [])
+    return replace(out, outputs=[empty])
+
+
 def _response(finals: list[RequestOutput], n: int, base: dict[str, Any],
-              choice: Callable[[int, Any], dict[str, Any]]) -> dict[str, Any]:
+              choice: Callable[[int, RequestOutput], dict[str, Any]]) -> dict[str, Any]:
     """A non-streaming response body: one choice per finished output, and the usage."""
     usage = _Usage()
     for i, out in enumerate(finals):
         usage.add(i, out, n)
-    return {**base, "choices": [choice(i, out.outputs[0]) for i, out in enumerate(finals)], "usage": usage.dict()}
+    return {**base, "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": usage.dict()}
 
 
 def _include_usage(body: Any) -> bool:
@@ -294,11 +408,6 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _step_error(comp) -> dict[str, Any]:
-    return {"message": f"the engine step failed: {comp.stop_reason}", "type": "server_error", "param": None,
-            "code": None}
-
-
 class _Usage:
     def __init__(self) -> None:
         self.prompt: dict[int, int] = {}
@@ -313,7 +422,7 @@ class _Usage:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(stream: Stream, raw: Request) -> list[RequestOutput]:
+async def _collect(stream: Stream, raw: Request, view: View | None = None) -> list[RequestOutput]:
     """Wait for every final output; a client that hangs up aborts its requests."""
     finals: dict[int, RequestOutput] = {}
 
@@ -335,34 +444,8 @@ async def _collect(stream: Stream, raw: Request) -> list[RequestOutput]:
     finally:
         await stream.close()
     outs = [finals[i] for i in range(len(finals))]
-    failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
-    if failed:
-        raise APIError(500, _step_error(failed[0].outputs[0])["message"], "server_error")
-    return outs
-
-
-def _completion_logprobs(comp, tokenizer: Any, start: int, offset: int) -> dict[str, Any] | None:
-    if comp.logprobs is None or tokenizer is None:
-        return None
-    toks, lps, tops, offs = [], [], [], []
-    for tid, entry in zip(comp.token_ids[start:], comp.logprobs[start:]):
-        piece = tokenizer.decode([tid], skip_special_tokens=False)
-        toks.append(piece)
-        lps.append(entry.get(tid))
-        tops.append({tokenizer.decode([k], skip_special_tokens=False): v for k, v in entry.items()})
-        offs.append(offset)
-        offset += len(piece)
-    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
-
-def _chat_logprobs(comp, tokenizer: Any, start: int, top: int) -> dict[str, Any] | None:
-    if comp.logprobs is None or tokenizer is None:
-        return None
-
-    def item(tid: int, lp: float) -> dict[str, Any]:
-        piece = tokenizer.decode([tid], skip_special_tokens=False)
-        return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
-
-    return {"content": [
-        {**item(tid, entry[tid]), "top_logprobs": [item(k, v) for k, v in sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
-        for tid, entry in zip(comp.token_ids[start:], comp.logprobs[start:])]}
+    for out in outs:
+        error = _error_of(out)
+        if error is not None:
+            raise error
+    return [view(o) for o in outs] if view is not None else outs

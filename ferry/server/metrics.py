@@ -32,6 +32,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("ferry:generation_tokens", "Generated tokens.", labels, registry=r).labels(model_name)
         self.finished = Counter("ferry:request_success", "Finished requests by reason.", labels + ["finished_reason"],
                                 registry=r)
+        self.failures = Counter("ferry:request_failures", "Requests failed by an error in their step (the "
+                                "other requests of that step are retried without them).", labels,
+                                registry=r).labels(model_name)
         self.model_name = model_name
 
         def hist(name: str, doc: str):
@@ -65,6 +68,8 @@ class ServerMetrics:
                     self.queue.observe(m.queue_time)
                 else:
                     self.itl.observe(m.token_times[-1] - m.token_times[-2])
+            else:
+                self.failures.inc()
             if out.finished:
                 self.finished.labels(self.model_name, comp.finish_reason or "unknown").inc()
                 self.e2e.observe(m.e2e)

@@ -5,46 +5,93 @@ import argparse
 import logging
 import os
 import signal
+import threading
+import time
 from pathlib import Path
+
+import uvicorn
 
 from ferry.config import EngineConfig
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger("ferry.serve")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    from ferry.server.app import DEFAULT_MAX_REQUEST_BYTES
+
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", help="the model id clients send (default: the model's directory name)")
     g.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (or set FERRY_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes and the API docs (or set FERRY_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=512,
                    help="past this many waiting requests, new ones get 503 with Retry-After")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are refused with 413 (default: 8 MiB)")
+    g.add_argument("--allowed-origins", default=None,
+                   help="comma-separated origins allowed by CORS, or '*' (default: CORS off)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them")
     g.add_argument("--log-level", default="info")
 
 
 def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    import uvicorn
-
     from ferry.engine.async_engine import AsyncEngine
     from ferry.engine.llm_engine import LLMEngine
     from ferry.server.app import build_app
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     async_engine = AsyncEngine(lambda: LLMEngine.from_config(config), args.max_waiting_requests)
     engine = async_engine.engine
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_NAME)
-    app = build_app(async_engine, name, args.api_key)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    app = build_app(async_engine, name, args.api_key, args.max_request_bytes, origins)
     print(f"ferry: serving {name!r} on http://{args.host}:{args.port} "
-          f"({engine.num_kv_blocks} KV blocks, max_model_len {config.max_model_len})", flush=True)
-    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler that was
-    # there before it; a no-op one makes that orderly shutdown exit 0, as a supervisor expects.
+          f"({engine.num_kv_blocks} KV blocks, max_model_len {engine.config.max_model_len})", flush=True)
+    # uvicorn re-raises the signal that stopped it to the handler that was there before it; a no-op
+    # one makes the orderly shutdown exit 0, as a supervisor expects.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5),
+                            async_engine, args.shutdown_timeout)
+    server.run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with ferry's shutdown: on the first SIGTERM/SIGINT, refuse new requests
+    (503), let those in flight finish for ``shutdown_timeout`` seconds, then abort the rest, whose
+    streams end with an error event and [DONE] and whose plain requests get a 503; only then
+    does uvicorn close. A second signal stops at once."""
+
+    def __init__(self, config, engine, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.draining:
+            return super().handle_exit(sig, frame)
+        self.draining = True
+        self.engine.draining = True
+        threading.Thread(target=self._drain, name="ferry-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.engine.num_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        aborted = self.engine.abort_all()
+        if aborted:
+            log.warning("shutdown: %d request(s) still running after %.0f s were aborted", aborted,
+                        self.shutdown_timeout)
+        else:
+            log.info("shutdown: every request in flight finished")
+        time.sleep(0.2)  # let the aborted streams send their last events
+        self.should_exit = True

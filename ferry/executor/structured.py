@@ -1,0 +1,205 @@
+"""Structured outputs: grammar-constrained sampling on xgrammar.
+
+A :class:`GrammarCompiler` is built once per executor. It turns a request's
+:class:`~ferry.core.sampling_params.StructuredOutputs` into a compiled grammar (cached by spec)
+and hands out a :class:`RequestGrammar` per request, which masks that request's logits row
+(tokens the grammar forbids -> -inf) and advances with each token sampled.
+
+xgrammar was chosen over llguidance by measured per-token cost on the embedded model's tokenizer
+(vocab 49152, this 2-core machine): the token mask of a JSON-schema grammar takes ~3 us against
+~45 us, because xgrammar precomputes most of each grammar state's mask when it compiles.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from ferry.core.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# Compiled grammars kept. A JSON schema compiles in ~60 ms here: a client that sends the same few
+# schemas over and over pays that once; one that sends a new schema each time cannot grow memory.
+GRAMMAR_CACHE_SIZE = 32
+_NEG_INF = np.float32(-np.inf)
+
+
+def _clean(e: Exception) -> str:
+    """xgrammar's message without its '[time] /path/file.cc:line:' prefix."""
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e)).strip()
+
+
+def apply_token_bitmask(row: torch.Tensor, bitmask: np.ndarray) -> None:
+    """Set the logits of the tokens whose bit is 0 in ``bitmask`` (int32 words, 32 tokens each,
+    least significant bit first) to -inf, in place on one contiguous float32 row."""
+    allowed = np.unpackbits(bitmask.view(np.uint8), count=row.shape[0], bitorder="little").view(bool)
+    # numpy's masked copy is 2-3x faster than torch's masked_fill_ on one CPU row.
+    np.copyto(row.numpy(), _NEG_INF, where=~allowed)
+
+
+class RequestGrammar:
+    """One request's place in its grammar.
+
+    It counts the output tokens it has consumed, and :meth:`mask` first brings that count to the
+    request's: a step that failed after sampling and is retried has fewer output tokens than were
+    consumed (those are rolled back), and a matcher built late replays the tokens it missed.
+    """
+
+    def __init__(self, compiled: "xgr.CompiledGrammar", vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)  # unlimited rollback; terminates only on a stop token
+        self._bitmask = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)
+        self._stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+        self._accepted = 0  # tokens the xgrammar matcher holds
+        self._rejected = 0  # tokens after the first one the grammar refused (the matcher holds none)
+
+    @property
+    def num_consumed(self) -> int:
+        """Output tokens consumed so far."""
+        return self._accepted + self._rejected
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was consumed (or the matcher failed)."""
+        return self._rejected > 0 or self._matcher.is_terminated()
+
+    def advance(self, token_id: int) -> None:
+        """Consume the token sampled for this request."""
+        # A refused token can only come from outside the mask (a rejected token leaves xgrammar's
+        # state as it was): count it, and from then on allow only a stop token.
+        if self._rejected or not self._matcher.accept_token(token_id):
+            self._rejected += 1
+        else:
+            self._accepted += 1
+
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Roll back or replay so that exactly ``output_token_ids`` are consumed."""
+        drop = self.num_consumed - len(output_token_ids)
+        if drop > 0:
+            undo = min(drop, self._rejected)
+            self._rejected -= undo
+            if drop > undo:
+                self._matcher.rollback(drop - undo)
+                self._accepted -= drop - undo
+        for t in output_token_ids[self.num_consumed:]:
+            self.advance(t)
+
+    def mask(self, row: torch.Tensor, output_token_ids: Sequence[int]) -> None:
+        """Set the logits of every token the grammar forbids after ``output_token_ids`` to -inf,
+        in place on one float32 row. Once the grammar is complete only stop tokens remain."""
+        self.sync(output_token_ids)
+        if self.is_terminated:
+            keep = row[self._stop].clone()
+            row.fill_(float("-inf"))
+            row[self._stop] = keep
+            return
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        apply_token_bitmask(row, self._bitmask[0])
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer; the one place xgrammar is set up.
+
+    Nothing is built until the first spec arrives, so an engine that never sees one pays
+    nothing at start-up. Safe to call from the request thread and the step thread at once.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.cache_size = cache_size
+        self._compiler: "xgr.GrammarCompiler | None" = None
+        self._cache: OrderedDict[tuple[str, str], "xgr.CompiledGrammar"] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _build(self) -> "xgr.GrammarCompiler":
+        import xgrammar as xgr
+
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+        if not self.stop_token_ids:
+            raise ValueError("structured_outputs needs an end-of-sequence token, and this model has none")
+        fast = self.tokenizer._fast  # ferry's Tokenizer wraps a `tokenizers.Tokenizer`
+        vocab = [""] * self.vocab_size
+        for text, i in fast.get_vocab(with_added_tokens=True).items():
+            if i < self.vocab_size:
+                vocab[i] = text
+        # xgrammar takes empty strings for special tokens: without this "<|im_start|>" and the
+        # like would be legal inside a JSON string, and vanish from the decoded text.
+        for i, added in fast.get_added_tokens_decoder().items():
+            if added.special and i < self.vocab_size:
+                vocab[i] = ""
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(fast.to_str())
+        info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
+                                 stop_token_ids=list(self.stop_token_ids),
+                                 add_prefix_space=meta["add_prefix_space"])
+        # xgrammar's own cache has no size limit by default: ours (an LRU) replaces it.
+        return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, spec: StructuredOutputs) -> "xgr.CompiledGrammar":
+        """The compiled grammar of ``spec`` (from the cache when it was seen lately).
+
+        Raises ValueError naming the field when the schema, regex or grammar is invalid."""
+        kind, text = _key(spec)
+        with self._lock:
+            hit = self._cache.get((kind, text))
+            if hit is not None:
+                self._cache.move_to_end((kind, text))
+                return hit
+            if self._compiler is None:
+                self._compiler = self._build()
+            c = self._compiler
+        # Outside the lock: the step thread's cache hits need not wait for a server thread's
+        # compile (two threads compiling one new spec at once only do the work twice).
+        try:
+            if kind in ("json", "json_object"):
+                # No free whitespace: a sampled run of spaces or newlines could then never end.
+                # The separators are json.dumps' (", " and ": "), the ones models see most.
+                compiled = c.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                compiled = c.compile_regex(text)
+            else:  # choice, grammar: EBNF
+                compiled = c.compile_grammar(text)
+        except (RuntimeError, ValueError) as e:
+            what = {"json": "invalid JSON schema", "regex": "invalid regular expression",
+                    "grammar": "invalid EBNF grammar"}.get(kind, "cannot compile")
+            raise ValueError(f"structured_outputs.{kind}: {what}: {_clean(e)}") from None
+        with self._lock:
+            self._cache[(kind, text)] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def validate(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` (caching it for the request) or raise ValueError naming the field."""
+        self.compile(spec)
+
+    def new_request(self, spec: StructuredOutputs) -> RequestGrammar:
+        """A fresh matcher for one request, at the start of the grammar."""
+        return RequestGrammar(self.compile(spec), self.vocab_size, self.stop_token_ids)
+
+
+def _key(spec: StructuredOutputs) -> tuple[str, str]:
+    """(field, the text xgrammar compiles): the cache key, so equal specs share one grammar."""
+    if spec.json is not None:
+        # Not sort_keys: the order of "properties" is the order the grammar writes them in.
+        return "json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    if spec.json_object:
+        return "json_object", '{"type": "object"}'
+    if spec.regex is not None:
+        return "regex", spec.regex
+    if spec.choice is not None:
+        # EBNF string literals take JSON's escapes; non-ASCII stays as UTF-8 text.
+        return "choice", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    assert spec.grammar is not None
+    return "grammar", spec.grammar

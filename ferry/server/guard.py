@@ -1,0 +1,72 @@
+"""The ASGI layer in front of the app: API-key check and request-size limit.
+
+Pure ASGI on purpose: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) runs the
+app in a task of its own and hides the client's disconnect from it, so a non-streaming request
+whose client has left would run to its end.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Awaitable, Callable
+
+from starlette.exceptions import HTTPException
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Paths an API key guards: the API itself and the pages that describe it.
+PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json")
+
+
+async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
+                     headers: dict[str, str] | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """Refuses requests without the API key (401) and bodies over ``max_request_bytes`` (413)."""
+
+    def __init__(self, app: Callable, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key or b"")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith(PROTECTED) and not self.authorized(headers):
+            return await send_error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                    "invalid_request_error", "invalid_api_key",
+                                    {"WWW-Authenticate": "Bearer"})
+        limit = self.max_request_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await send_error(send, 413, f"request body of {int(length)} bytes is over the limit of "
+                                    f"{limit} bytes (--max-request-bytes)", "invalid_request_error",
+                                    "request_too_large")
+        seen = 0
+
+        async def counted() -> Message:  # a body without Content-Length is counted as it comes
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, f"request body is over the limit of {limit} bytes "
+                                             f"(--max-request-bytes)")
+            return message
+
+        await self.app(scope, counted, send)
