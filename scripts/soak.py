@@ -4,6 +4,7 @@
     .venv/bin/python scripts/soak.py                      # ~2000 requests, concurrency 12
     .venv/bin/python scripts/soak.py --requests 300 --concurrency 8 --max-duration 600
     .venv/bin/python scripts/soak.py --mix chat_json=5 --server-arg=--max-num-seqs --server-arg=64
+    .venv/bin/python scripts/soak.py --only chat_json,invalid --requests 100
     make soak SOAK_ARGS="--requests 500"
 
 What it does:
@@ -26,7 +27,8 @@ The server is always stopped (SIGTERM, then SIGKILL), also on Ctrl-C or an error
 
 Adding a kind of request: write a function ``(rng, env) -> Spec`` and register it with
 ``@maker("name", weight)`` (or call ``register``). ``Spec.validate`` may add checks of its own on
-the finished answer (see ``chat_json`` below: weight 0, switched on with ``--mix chat_json=5``).
+the finished answer (see ``chat_json`` below: weight 0, switched on with ``--mix chat_json=5`` or
+``--only chat_json``).
 Only the standard library and httpx are used.
 """
 from __future__ import annotations
@@ -649,12 +651,20 @@ async def read_metrics(client: httpx.AsyncClient) -> dict[str, float]:
 
 def build_specs(args: argparse.Namespace, env: Env) -> list[Spec]:
     weights = {name: w for name, (w, _) in MAKERS.items()}
+    mixed: set[str] = set()
     for item in (args.mix or "").split(","):
         if item.strip():
             name, _, w = item.partition("=")
             if name.strip() not in MAKERS:
                 raise SystemExit(f"--mix: no request maker {name.strip()!r} (have: {', '.join(MAKERS)})")
             weights[name.strip()] = float(w)
+            mixed.add(name.strip())
+    if args.only:  # only these kinds, equally often unless --mix weighs them
+        only = [n.strip() for n in args.only.split(",") if n.strip()]
+        for n in only:
+            if n not in MAKERS:
+                raise SystemExit(f"--only: no request maker {n!r} (have: {', '.join(MAKERS)})")
+        weights = {n: (weights[n] if n in mixed else 1.0) if n in only else 0.0 for n in weights}
     names = [n for n in MAKERS if weights[n] > 0]
     if not names:
         raise SystemExit("--mix leaves no request kind with a positive weight")
@@ -841,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-words", type=int, default=1500, help="longest prompt, in words (default 1500)")
     ap.add_argument("--mix", default="", help="override request-kind weights, e.g. 'invalid=0,chat_json=5' "
                                               f"(kinds: {', '.join(MAKERS)})")
+    ap.add_argument("--only", default="", help="send only these kinds, e.g. 'chat_json' or 'cmpl,invalid'")
     ap.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
     ap.add_argument("--port", type=int, default=0, help="port for the server (default: a free one)")
     ap.add_argument("--server-arg", action="append", default=[],
@@ -853,7 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for /health (default 300)")
     ap.add_argument("--idle-timeout", type=float, default=30,
                     help="seconds to wait for the server to go idle after the load (default 30)")
-    ap.add_argument("--server-log", type=Path, default=None, help="where the server's output goes (default: a temp file)")
+    ap.add_argument("--server-log", type=Path, default=None,
+                    help="where the server's output goes (default: a temp file)")
     ap.add_argument("--show-failures", type=int, default=20, help="failures to print in full (default 20)")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each failure as it happens")
     args = ap.parse_args(argv)

@@ -41,3 +41,17 @@ def test_free_returns_every_block():
     assert kv.pool.num_free == 0
     kv.free(a)
     assert kv.pool.num_free == 5 and not kv.block_tables
+
+
+def test_freed_blocks_are_reused_first_so_untouched_memory_stays_untouched():
+    """The cache's pages become resident only when written: a server that reuses the blocks it
+    freed last touches no more blocks than it ever held at once."""
+    pool = BlockPool(100)
+    touched: set[int] = set()
+    for _ in range(50):  # a request of 10 blocks comes and goes, over and over
+        blocks = pool.take(10)
+        touched.update(blocks)
+        pool.give_back(blocks)
+    assert len(touched) == 10
+    a, b = pool.take(3), pool.take(2)
+    assert len(set(a) | set(b)) == 5 and set(a) | set(b) <= touched
