@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 import time
 import uuid
@@ -30,8 +29,6 @@ from ferry.server.guard import Guard
 from ferry.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from ferry.server.metrics import ServerMetrics
 from ferry.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -97,11 +94,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                    f"{request.url.path}"}.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, message, "not_found_error" if e.status_code == 404
                                        else "invalid_request_error", headers=getattr(e, "headers", None)))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:

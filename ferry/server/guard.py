@@ -1,4 +1,4 @@
-"""The ASGI layer in front of the app: API-key check and request-size limit.
+"""The ASGI layer in front of the app: API-key check, request-size limit, last-resort errors.
 
 Pure ASGI on purpose: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) runs the
 app in a task of its own and hides the client's disconnect from it, so a non-streaming request
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any, Awaitable, Callable
 
 from starlette.exceptions import HTTPException
@@ -16,6 +17,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("ferry.server")
 
 # Paths an API key guards: the API itself and the pages that describe it.
 PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json")
@@ -69,4 +72,18 @@ class Guard:
                                              f"(--max-request-bytes)")
             return message
 
-        await self.app(scope, counted, send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except Exception as e:
+            # Answered here, not re-raised: Starlette's own last-resort handler re-raises, and
+            # uvicorn then drops the connection under a client that may reuse it.
+            log.exception("unexpected error on %s", scope["path"])
+            if not started:
+                await send_error(send, 500, f"internal error: {type(e).__name__}", "server_error")
