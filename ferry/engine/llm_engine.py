@@ -152,7 +152,7 @@ class LLMEngine:
         except Exception as e:
             if len(out.chunks) == 1:
                 return self._fail(out.chunks, e)
-            log.warning("a step of %d requests failed (%s: %s); retrying in smaller groups to find "
+            log.info("a step of %d requests failed (%s: %s); retrying in smaller groups to find "
                         "the request that causes it", len(out.chunks), type(e).__name__, e)
         result = ModelRunnerOutput()
         groups = [out.chunks]
