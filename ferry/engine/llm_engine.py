@@ -93,12 +93,15 @@ class LLMEngine:
         before any of it is tokenized: no token is longer than the longest in the vocabulary."""
         if self.tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if len(text) > max_len * self.tokenizer.max_token_chars:
-            raise ValueError(f"prompt has {len(text)} characters, so more tokens than max_model_len "
-                             f"({max_len}) allows")
+        self.check_text_length(len(text), "prompt has")
         return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """Raise ValueError when ``chars`` characters must be more tokens than max_model_len."""
+        assert self.tokenizer is not None and self.config.max_model_len is not None
+        if chars > self.config.max_model_len * self.tokenizer.max_token_chars:
+            raise ValueError(f"{what} {chars} characters, so more tokens than max_model_len "
+                             f"({self.config.max_model_len}) allows")
 
     def check_request(self, token_ids: list[int], sp: SamplingParams) -> None:
         """Raise ValueError, naming the field, for what no step could serve. Safe to call

@@ -227,10 +227,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer and chat template; use /v1/completions with token ids")
         conv = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
-        chars = sum(len(m["content"]) for m in conv)
-        if chars > max_model_len * tokenizer.max_token_chars:
-            raise APIError(400, f"messages have {chars} characters, so more tokens than max_model_len "
-                           f"({max_model_len}) allows", param="messages")
+        try:
+            llm.check_text_length(sum(len(m["content"]) for m in conv), "messages have")
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
         try:  # rendering and tokenizing a long conversation must not hold up the event loop
             prompt = await asyncio.to_thread(tokenizer.apply_chat_template, conv)
         except ValueError as e:
