@@ -18,6 +18,9 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # "auto" | "dummy"
     dtype: str = "float32"
+    # "gguf": a GGUF model's quantized weights stay quantized (float32 activations); "none":
+    # everything dequantized to dtype at load. None: "gguf" for a GGUF model, else "none".
+    quantization: str | None = None
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
@@ -37,6 +40,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        check(self.quantization in (None, "gguf", "none"), "quantization", "'gguf' or 'none'")
         check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "'float32', 'bfloat16' or 'float16'")
         check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
               "max_num_batched_tokens", "an integer >= 1")

@@ -73,6 +73,7 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
           f"{sum(r.max_tokens for r in reqs)} output tokens; scheduler={config.scheduler}, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")
     label = f"{config.scheduler}" + (f", rate={args.request_rate:g}" if online and args.request_rate else "")
+    profiler = engine.enable_profiling() if getattr(args, "profile", False) else None
     runs = []
     for i in range(args.num_runs):
         run = run_workload(engine, reqs, label=label, progress=not args.no_progress,
@@ -86,7 +87,11 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
         print(f"median of {len(runs)}: {median(r.metrics.duration for r in runs):.2f} s, "
               f"{median(r.metrics.output_throughput for r in runs):.1f} output tok/s (table: the median run)")
     print("\n".join(mid.metrics.lines()))
-    write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs]})
+    if profiler is not None:
+        print(f"\nstep profile (all {len(runs)} run(s); each part includes the Python around it):")
+        print(profiler.table())
+    write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs],
+                                   **({"profile": profiler.to_dict()} if profiler is not None else {})})
     if args.plot:
         paths = plot_run(mid, args.plot, args.bench_command)
         plot_cdfs([mid], Path(args.plot) / f"{args.bench_command}-cdf.png")
@@ -173,6 +178,9 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
             p.add_argument("--request-rate", type=parse_rate_arg, default=None,
                            help="requests/s, Poisson (seeded by --seed); inf = all at once")
         p.add_argument("--num-runs", type=int, default=1, help="repeat on the same engine; report the median")
+        p.add_argument("--profile", action="store_true",
+                       help="time each step by part (projections, attention, sampling, scheduler, ...) "
+                            "and step shape; a table, and 'profile' in the JSON")
         add_output_args(p)
         add_engine_args(p)
         p.set_defaults(func=run(cmd_bench_run))

@@ -17,6 +17,7 @@ from ferry.core.static_scheduler import StaticScheduler
 from ferry.engine.clock import WallClock
 from ferry.engine.detokenizer import IncrementalDetokenizer
 from ferry.engine.outputs import RequestOutput
+from ferry.engine.profiler import StepProfiler, no_tick, step_shape
 from ferry.engine.step_stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class LLMEngine:
         # of a run puts a list here first.
         self.step_stats: MutableSequence[StepStats] = deque(maxlen=STEP_STATS_KEPT)
         self.num_failed_requests = 0
+        self.profiler: StepProfiler | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, executor: Any = None) -> "LLMEngine":
@@ -132,14 +134,32 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; return an output for every request that got a token or finished
         (only those that finished with ``finished_only``: a benchmark needs no stream)."""
+        prof = self.profiler
+        if prof is not None:
+            prof.start()
+        tick = no_tick if prof is None else prof.tick
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        tick("schedule")
         start = self.clock()
         result = self._execute(out)
         changed = self.scheduler.update_from_output(out, result)
-        self._record_step(out, start)
-        return [RequestOutput.from_request(r) for r in changed if r.is_finished or not finished_only]
+        tick("update")
+        stats = self._record_step(out, start)
+        outputs = [RequestOutput.from_request(r) for r in changed if r.is_finished or not finished_only]
+        if prof is not None:
+            tick("outputs")
+            prof.finish(step_shape(stats.num_decode_tokens, stats.num_prefill_tokens + stats.num_padding_tokens))
+        return outputs
+
+    def enable_profiling(self) -> StepProfiler:
+        """Time every step by part from now on (``ferry bench --profile``); returns the profiler."""
+        self.profiler = StepProfiler()
+        set_profiler = getattr(self.executor, "set_profiler", None)
+        if set_profiler is not None:
+            set_profiler(self.profiler)
+        return self.profiler
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; if it raises, find the request(s) that make it fail and fail only those.
@@ -180,7 +200,7 @@ class LLMEngine:
         self.num_failed_requests += 1
         return ModelRunnerOutput(errors={rid: f"{type(e).__name__}: {e}"})
 
-    def _record_step(self, out: SchedulerOutput, start: float) -> None:
+    def _record_step(self, out: SchedulerOutput, start: float) -> StepStats:
         kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}
         tokens = dict.fromkeys(kinds, 0)
         for c in out.chunks:
@@ -192,13 +212,15 @@ class LLMEngine:
                 kind = "prefill"
             kinds[kind].append(c.request.request_id)
             tokens[kind] += c.num_tokens
-        self.step_stats.append(StepStats(
+        stats = StepStats(
             start=start, duration=self.clock() - start, num_prefill_tokens=tokens["prefill"],
             num_decode_tokens=tokens["decode"], num_padding_tokens=tokens["padding"],
             num_requests=len(out.chunks), num_kv_blocks_used=out.num_kv_blocks_used,
             num_preempted=len(out.preempted_req_ids), prefill_ids=tuple(kinds["prefill"]),
             decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
-            preempted_ids=tuple(out.preempted_req_ids)))
+            preempted_ids=tuple(out.preempted_req_ids))
+        self.step_stats.append(stats)
+        return stats
 
     @property
     def eos_token_id(self) -> int | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -9,12 +10,13 @@ import torch
 from ferry.config import EngineConfig
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
+from ferry.engine.profiler import StepProfiler, no_tick
 from ferry.executor.batch import pack
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.llama import LlamaModel
-from ferry.model.loader import DTYPES, dummy_weights, load_safetensors, resolve_model_dir
+from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
 from ferry.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ class ModelExecutor:
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         cfg = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len)
-        weights = dummy_weights(cfg, config.seed) if config.load_format == "dummy" else load_safetensors(model_dir)
+        weights = load_weights(config, cfg, model_dir)
         self.model = LlamaModel(cfg, weights, dtype, self.max_model_len)
         del weights
         self.model_config = cfg
@@ -78,15 +80,22 @@ class ModelExecutor:
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.seed, grammars=self.grammars)
+        self.tick: Callable[[str], None] = no_tick
 
     def check_sampling_params(self, sp: SamplingParams) -> None:
         """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar."""
         if sp.structured_outputs is not None:
             self.grammars.validate(sp.structured_outputs)
 
+    def set_profiler(self, profiler: StepProfiler) -> None:
+        """Report the parts of each step to ``profiler`` (``LLMEngine.enable_profiling``)."""
+        self.tick = profiler.tick
+        self.model.profiler = profiler
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(out.finished_req_ids)
         batch = pack(out.chunks, self.block_size)
+        self.tick("pack")
         logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                     batch.logits_indices)
         result = ModelRunnerOutput()
@@ -98,4 +107,5 @@ class ModelExecutor:
             result.logprobs = logprobs
         if batch.prompt_spans:
             result.prompt_logprobs = prompt_logprobs(logits[n:], batch.prompt_spans)
+        self.tick("sample")
         return result

@@ -51,7 +51,8 @@ _NAMES = {
 }
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a llama GGUF tensor."""
     base, kind = name.rsplit(".", 1)
     if base == "token_embd":
         return "model.embed_tokens." + kind
@@ -65,9 +66,20 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """q/k rows in Hugging Face's order (rows only: works on a quantized tensor's rows of blocks too)."""
     # llama.cpp stores q/k rows interleaved for its rope; Hugging Face keeps the two halves apart.
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_head_counts(reader) -> tuple[int, int]:
+    """(attention heads, KV heads) of a llama GGUF."""
+    def field(key: str):
+        f = reader.fields.get(f"llama.{key}")
+        return None if f is None else f.contents()
+
+    n_heads = field("attention.head_count")
+    return n_heads, field("attention.head_count_kv") or n_heads
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -85,15 +97,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     def m(key: str, default=None):
         return meta.get(f"llama.{key}", default)
 
-    n_heads, n_kv = m("attention.head_count"), m("attention.head_count_kv", m("attention.head_count"))
+    n_heads, n_kv = gguf_head_counts(reader)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if t.name.endswith("attn_q.weight"):
-            w = _unpermute_rope(w, n_heads)
+            w = unpermute_rope(w, n_heads)
         elif t.name.endswith("attn_k.weight"):
-            w = _unpermute_rope(w, n_kv)
-        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+            w = unpermute_rope(w, n_kv)
+        tensors[hf_name(t.name)] = np.ascontiguousarray(w)
     tied = "lm_head.weight" not in tensors
     emb = tensors["model.embed_tokens.weight"]
     config = {

@@ -8,24 +8,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from ferry.model.attention import AttentionMetadata, paged_attention
 from ferry.model.config import ModelConfig
+from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
+from ferry.model.fused_decode import usable as fused_usable
 from ferry.model.kernels import kernels_usable, load_kernels
+from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
+
+Weight = torch.Tensor | QuantWeight
+
+
+def _no_tick(part: str) -> None:
+    """The profiler's hook when nobody profiles (see ferry.engine.profiler)."""
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv: Weight  # [(Hq + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight
 
 
 # Below these row counts BLAS's packing of the weight costs more than the product itself
@@ -42,15 +52,18 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
            use_kernel: bool = False) -> torch.Tensor:
     """x @ w.T (+ bias), by the fastest path for the number of rows.
 
     Few rows (decode steps): the streaming C kernel. Up to a few hundred: (w @ x.T).T,
     which lets BLAS read the weight in place. Many rows (prefill): plain BLAS.
+    Quantized weights: ``quant_linear`` (which picks its own path).
     """
     m = x.shape[0]
-    if use_kernel and m <= KERNEL_ROWS and x.shape[1] % 8 == 0:
+    if isinstance(w, QuantWeight):
+        y = quant_linear(x, w)
+    elif use_kernel and m <= KERNEL_ROWS and x.shape[1] % 8 == 0:
         y = skinny_linear(x, w)
     elif m <= TRANSPOSED_ROWS:
         y = torch.mm(w, x.t()).t()
@@ -100,15 +113,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """Weights plus a forward pass over a packed batch; the KV cache is passed in."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype,
                  max_len: int) -> None:
         self.cfg = cfg
         self.dtype = dtype
+        # The step profiler (ferry.engine.profiler), when one is on: told the name of each part
+        # of the forward pass as it ends.
+        self.profiler: Any = None
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in weights:
                 raise ValueError(f"checkpoint lacks the weight {name!r}")
-            return weights[name].to(dtype).contiguous()
+            w = weights[name]
+            if isinstance(w, QuantWeight):
+                if dtype != torch.float32:
+                    raise ValueError("quantized weights run with float32 activations: use dtype float32")
+                return w
+            return w.to(dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
@@ -123,11 +144,11 @@ class LlamaModel:
                 bias = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
+                qkv=cat_rows([take(a + f"{x}_proj.weight") for x in "qkv"]),
                 qkv_bias=bias,
                 o_proj=take(a + "o_proj.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                gate_up=cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                 down=take(p + "mlp.down_proj.weight"),
             ))
         cos, sin = rope_tables(cfg, max_len)
@@ -136,6 +157,7 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.use_kernel = kernels_usable(dtype)
+        self.fused = FusedDecode(cfg, self.layers, self.scale) if fused_usable(cfg, self.layers, dtype) else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -144,20 +166,40 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        kern = self.use_kernel
-        x = self.embed[input_ids]
+        kern, prof = self.use_kernel, self.profiler
+        tick = _no_tick if prof is None else prof.tick
+        x = dequantize(self.embed, input_ids) if isinstance(self.embed, QuantWeight) else self.embed[input_ids]
+        tick("embed")
+        if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
+            self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
+            return self._logits(x, logits_indices, tick)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            tick("norm")
             qkv = linear(h, layer.qkv, layer.qkv_bias, use_kernel=kern)
+            tick("qkv")
             # q and k sit side by side in qkv: rotate them in one pass.
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, hd)
+            tick("rope")
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern)
+            tick("attention")
             x = x + linear(o, layer.o_proj, use_kernel=kern)
+            tick("o_proj")
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            tick("norm")
             gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, use_kernel=kern)
-        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
-        return linear(x, self.lm_head, use_kernel=kern).float()
+            tick("gate_up")
+            h = F.silu(gate) * up
+            tick("act")
+            x = x + linear(h, layer.down, use_kernel=kern)
+            tick("down")
+        return self._logits(x, logits_indices, tick)
+
+    def _logits(self, x: torch.Tensor, rows: torch.Tensor, tick: Callable[[str], None]) -> torch.Tensor:
+        x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
+        logits = linear(x, self.lm_head, use_kernel=self.use_kernel).float()
+        tick("lm_head")
+        return logits

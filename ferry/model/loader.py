@@ -1,29 +1,61 @@
-"""Find a model directory and load its weights (safetensors, or random for load_format='dummy')."""
+"""Find a model directory and load its weights (safetensors, a GGUF kept quantized, or random for
+load_format='dummy')."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ferry.config import EngineConfig
 from ferry.model.config import ModelConfig
+from ferry.model.kernels import load_kernels
+from ferry.model.quant import cached_gguf_weights
 from ferry.model.gguf_convert import converted_dir, embedded_gguf_path
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> Path:
-    """A Hugging Face directory for ``model``: None means the embedded SmolLM2 (converted once)."""
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names (None: the embedded SmolLM2's), or None for a directory."""
     if model is None:
-        return converted_dir(embedded_gguf_path(), Path(cache_dir) if cache_dir else None)
+        return embedded_gguf_path()
     path = Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_dir(path, Path(cache_dir) if cache_dir else None)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> Path:
+    """A Hugging Face directory for ``model``: a GGUF (None means the embedded SmolLM2) is
+    converted once, for its config and tokenizer (and its float weights, for quantization none)."""
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return converted_dir(gguf, Path(cache_dir) if cache_dir else None)
+    path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {model!r} does not exist (ferry loads local directories only)")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {model!r} has no config.json")
     return path
+
+
+def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dict[str, Any]:
+    """The weights ``config`` asks for: random (dummy), quantized straight from a GGUF, or float."""
+    if config.load_format == "dummy":
+        return dummy_weights(cfg, config.seed)
+    gguf = gguf_file(config.model)
+    quantization = config.quantization or ("gguf" if gguf is not None else "none")
+    if quantization == "gguf":
+        if gguf is None:
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file; {config.model!r} is a directory")
+        if load_kernels() is None:
+            log.warning("no C kernels here (no compiler?): quantized weights are dequantized to float32")
+        else:
+            return cached_gguf_weights(gguf, model_dir)
+    return load_safetensors(model_dir)
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Two small C kernels, paged decode attention and skinny GEMM, loaded with ctypes.
+"""Small C kernels (paged decode attention, skinny GEMM, quantized GEMM), loaded with ctypes.
 
 They are built once with the system C compiler. No torch headers are needed, so
 the build takes about a second; the shared library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
@@ -22,7 +22,7 @@ from pathlib import Path
 from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
 
 
@@ -42,7 +42,7 @@ def _cpu_id() -> str:
 
 @lru_cache(maxsize=None)
 def load_kernels() -> ctypes.CDLL | None:
-    """The compiled kernel library (paged attention, skinny GEMM), or None when it cannot be built here."""
+    """The compiled kernel library, or None when it cannot be built here."""
     if os.environ.get("FERRY_NO_KERNELS"):
         return None
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
@@ -82,6 +82,12 @@ def load_kernels() -> ctypes.CDLL | None:
     so.paged_decode_attention.restype = None
     so.skinny_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.skinny_gemm.restype = None
+    so.quant_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
+    so.quant_gemm.restype = None
+    so.quant_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+    so.quant_dequant.restype = None
+    so.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64] + [ptr] * 4 + [i64] + [ptr] * 3
+    so.decode_layers.restype = None
     return so
 
 

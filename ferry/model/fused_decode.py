@@ -1,0 +1,90 @@
+"""The decoder layers of a decode-only step as one C call (``kernels/decode_layers.c``).
+
+With few requests a decode step does little arithmetic per operation, and in torch it pays ~25
+operation dispatches per layer; the C path runs the same operations with none. Steps with a
+prefill chunk, or more rows than ``FUSED_DECODE_ROWS``, go through torch, where each operation's
+work is large enough to pay for its dispatch.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from ferry.model.attention import AttentionMetadata
+from ferry.model.config import ModelConfig
+from ferry.model.kernels import load_kernels
+from ferry.model.quant import QuantWeight
+
+# Up to this many decodes the fused path wins (measured with --profile on the embedded model).
+FUSED_DECODE_ROWS = 32
+# The kernel's parts, in the order of its timing array.
+PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down")
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _p) for n in ("input_norm", "post_norm", "qkv_bias", "qkv", "o_proj", "gate_up", "down")] \
+        + [(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")] \
+        + [("k_cache", _p), ("v_cache", _p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "block_size")] \
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _ptr_type(w: Any) -> tuple[int, int]:
+    return (w.data.data_ptr(), w.kernel_type) if isinstance(w, QuantWeight) else (w.data_ptr(), -1)
+
+
+def usable(cfg: ModelConfig, layers: list[Any], dtype: torch.dtype) -> bool:
+    """The kernels are built, the model is float32, and every product's K suits the kernels."""
+    return dtype == torch.float32 and load_kernels() is not None \
+        and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0 \
+        and (cfg.num_heads * cfg.head_dim) % 32 == 0 and cfg.head_dim % 2 == 0
+
+
+class FusedDecode:
+    """Holds the layers' pointers for the C call; ``run`` updates the residual stream in place."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[Any], scale: float) -> None:
+        self.cfg = cfg
+        self.layers = layers  # keeps the weights alive while the C side points at them
+        self.dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                          cfg.intermediate_size, 0, cfg.rms_norm_eps, scale)
+        self._table: Any = None
+        self._caches: Any = None
+        self.times = (ctypes.c_double * len(PARTS))()
+
+    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if self._caches is not kv_caches:  # the executor's caches live as long as it does
+            table = (_Layer * len(self.layers))()
+            for t, layer, (k, v) in zip(table, self.layers, kv_caches):
+                t.input_norm, t.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+                t.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+                t.qkv, t.qkv_type = _ptr_type(layer.qkv)
+                t.o_proj, t.o_type = _ptr_type(layer.o_proj)
+                t.gate_up, t.gate_up_type = _ptr_type(layer.gate_up)
+                t.down, t.down_type = _ptr_type(layer.down)
+                t.k_cache, t.v_cache = k.data_ptr(), v.data_ptr()
+            self._table, self._caches = table, kv_caches
+        return self._table
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
+            profiler: Any = None) -> None:
+        """x: [B, hidden] float32 contiguous, one decode per row; changed in place."""
+        table = self._layer_table(kv_caches)
+        self.dims.block_size = meta.block_size
+        tables = meta.decode_block_tables
+        for i in range(len(PARTS)):
+            self.times[i] = 0.0
+        load_kernels().decode_layers(
+            table, len(self.layers), ctypes.byref(self.dims), x.data_ptr(), x.shape[0],
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), tables.shape[1],
+            meta.decode_lens.data_ptr(), meta.slot_mapping.data_ptr(), self.times)
+        if profiler is not None:
+            profiler.split(dict(zip(PARTS, self.times)), "layers")

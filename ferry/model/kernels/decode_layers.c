@@ -1,0 +1,121 @@
+/* Every decoder layer of a decode-only step in one call: B requests, one new token each.
+ *
+ * A decode step with few requests does little arithmetic per operation, so done with torch it
+ * costs mostly the ~25 operation dispatches per layer. Here a layer is: RMS norm, qkv product,
+ * rope, K/V into the paged cache, paged attention, o product (+ residual), RMS norm, gate+up
+ * product, SiLU(gate) * up, down product (+ residual). The products use the float32 or the
+ * quantized kernel by each weight's type and split their rows over the threads; the small
+ * operations are row loops. The same arithmetic as the torch path, up to the order of sums.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K);
+void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
+void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *tables,
+                            const int64_t *lens, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                            int64_t block_size, int64_t max_blocks, float scale);
+
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias;
+    const void *qkv, *o_proj, *gate_up, *down;
+    int64_t qkv_type, o_type, gate_up_type, down_type; /* -1: float32, else quant_gemm's type */
+    float *k_cache, *v_cache;                          /* [slots, Hkv, D] */
+} layer_t;
+
+typedef struct {
+    int64_t hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} dims_t;
+
+/* Where the time goes, for the step profiler: seconds per part, added to times[]. */
+enum { T_NORM, T_QKV, T_ROPE, T_ATTN, T_O, T_GATE_UP, T_ACT, T_DOWN, T_PARTS };
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static void matmul(const float *x, const void *w, int64_t type, float *y, int64_t M, int64_t N, int64_t K) {
+    if (type < 0) skinny_gemm(x, (const float *)w, y, M, N, K);
+    else quant_gemm(x, (const uint8_t *)w, y, M, N, K, type);
+}
+
+static void rms_norm(const float *x, const float *w, float *out, int64_t B, int64_t H, float eps) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * H;
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) ss += xb[i] * xb[i];
+        const float r = 1.f / sqrtf(ss / H + eps);
+        for (int64_t i = 0; i < H; i++) out[b * H + i] = xb[i] * r * w[i];
+    }
+}
+
+/* Hugging Face's half-split rope on each head of a row: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
+static void rope(float *v, int64_t heads, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = v + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * s[i];
+            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+    }
+}
+
+void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, float *x, int64_t B,
+                   const int64_t *positions, const float *cos, const float *sin, const int64_t *tables,
+                   int64_t max_blocks, const int64_t *lens, const int64_t *slots, double *times) {
+    const int64_t H = d->hidden, D = d->head_dim, Hq = d->n_heads, Hkv = d->n_kv_heads, I = d->intermediate;
+    const int64_t nqkv = (Hq + 2 * Hkv) * D, kv = Hkv * D;
+    float *h = malloc(sizeof(float) * B * H), *qkv = malloc(sizeof(float) * B * nqkv);
+    float *q = malloc(sizeof(float) * B * Hq * D), *attn = malloc(sizeof(float) * B * Hq * D);
+    float *gu = malloc(sizeof(float) * B * 2 * I), *act = malloc(sizeof(float) * B * I);
+    float *tmp = malloc(sizeof(float) * B * H);
+    double t = now(), t1;
+#define LAP(part) (t1 = now(), times[part] += t1 - t, t = t1)
+    for (int64_t l = 0; l < n_layers; l++) {
+        const layer_t *L = layers + l;
+        rms_norm(x, L->input_norm, h, B, H, d->eps);
+        LAP(T_NORM);
+        matmul(h, L->qkv, L->qkv_type, qkv, B, nqkv, H);
+        if (L->qkv_bias)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < nqkv; i++) qkv[b * nqkv + i] += L->qkv_bias[i];
+        LAP(T_QKV);
+        for (int64_t b = 0; b < B; b++) {
+            float *row = qkv + b * nqkv;
+            rope(row, Hq + Hkv, D, cos + positions[b] * D, sin + positions[b] * D);
+            memcpy(q + b * Hq * D, row, sizeof(float) * Hq * D);
+            memcpy(L->k_cache + slots[b] * kv, row + Hq * D, sizeof(float) * kv);
+            memcpy(L->v_cache + slots[b] * kv, row + Hq * D + kv, sizeof(float) * kv);
+        }
+        LAP(T_ROPE);
+        paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, attn, B, Hq, Hkv, D,
+                               d->block_size, max_blocks, d->scale);
+        LAP(T_ATTN);
+        matmul(attn, L->o_proj, L->o_type, tmp, B, H, Hq * D);
+        for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
+        LAP(T_O);
+        rms_norm(x, L->post_norm, h, B, H, d->eps);
+        LAP(T_NORM);
+        matmul(h, L->gate_up, L->gate_up_type, gu, B, 2 * I, H);
+        LAP(T_GATE_UP);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < I; i++) {
+                const float g = gu[b * 2 * I + i];
+                act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
+            }
+        LAP(T_ACT);
+        matmul(act, L->down, L->down_type, tmp, B, H, I);
+        for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
+        LAP(T_DOWN);
+    }
+#undef LAP
+    free(h); free(qkv); free(q); free(attn); free(gu); free(act); free(tmp);
+}
