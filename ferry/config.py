@@ -21,6 +21,10 @@ class EngineConfig:
     # "gguf": a GGUF model's quantized weights stay quantized (float32 activations); "none":
     # everything dequantized to dtype at load. None: "gguf" for a GGUF model, else "none".
     quantization: str | None = None
+    # Products done by torch (oneDNN) with float32 inputs: "ieee" computes in float32; "bf16"
+    # lets oneDNN round the inputs to bfloat16 (AMX or AVX512-BF16 CPUs; float32 sums), ~3x
+    # faster prefill at a small accuracy cost (README). The C kernels are float32 either way.
+    fp32_matmul_precision: str = "ieee"
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
@@ -41,6 +45,7 @@ class EngineConfig:
 
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         check(self.quantization in (None, "gguf", "none"), "quantization", "'gguf' or 'none'")
+        check(self.fp32_matmul_precision in ("ieee", "bf16"), "fp32_matmul_precision", "'ieee' or 'bf16'")
         check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "'float32', 'bfloat16' or 'float16'")
         check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
               "max_num_batched_tokens", "an integer >= 1")

@@ -10,12 +10,15 @@ from ferry.model.kernels import load_kernels
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_kernel_matches_reference(block_size):
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 40)])
+def test_kernel_matches_reference(block_size, hq, hkv, d):
+    """Contexts shorter than a tile, across tiles and across the kernel's ranges (split and merged),
+    grouped and plain heads, and a head size that is no multiple of the vector width."""
     if load_kernels() is None:
         pytest.fail("the attention kernel could not be built (no C compiler?)")
     g = torch.Generator().manual_seed(block_size)
-    hq, hkv, d, num_blocks = 9, 3, 64, 400
-    lens = [1, 7, 33, 130, 16 * 3]
+    num_blocks = 1400 // block_size + 400
+    lens = [1, 7, 33, 130, 16 * 3, 257, 700]
     rng = np.random.default_rng(0)
     perm = rng.permutation(num_blocks).tolist()  # scattered, non-contiguous blocks
     tables = []

@@ -63,3 +63,15 @@ def test_pure_torch_path_gives_the_same_tokens(llm, parity_prompts, alone):
     finally:
         model.use_kernel = True
     assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_fused_decode_layers_give_the_same_tokens(llm, parity_prompts, alone):
+    """Decode-only steps run every layer in one C call; the torch path per operation agrees."""
+    model = llm.engine.executor.model
+    assert model.fused is not None, "the fused decode path should be usable on this machine"
+    fused, model.fused = model.fused, None
+    try:
+        outs = llm.generate(parity_prompts, SP, use_tqdm=False)
+    finally:
+        model.fused = fused
+    assert [o.outputs[0].token_ids for o in outs] == alone

@@ -73,7 +73,7 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
           f"{sum(r.max_tokens for r in reqs)} output tokens; scheduler={config.scheduler}, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")
     label = f"{config.scheduler}" + (f", rate={args.request_rate:g}" if online and args.request_rate else "")
-    profiler = engine.enable_profiling() if getattr(args, "profile", False) else None
+    profiler = engine.enable_profiling() if getattr(args, "profile", False) else None  # sim: no --profile
     runs = []
     for i in range(args.num_runs):
         run = run_workload(engine, reqs, label=label, progress=not args.no_progress,

@@ -153,9 +153,10 @@ class LLMEngine:
             prof.finish(step_shape(stats.num_decode_tokens, stats.num_prefill_tokens + stats.num_padding_tokens))
         return outputs
 
-    def enable_profiling(self) -> StepProfiler:
-        """Time every step by part from now on (``ferry bench --profile``); returns the profiler."""
-        self.profiler = StepProfiler()
+    def enable_profiling(self, on: bool = True) -> StepProfiler | None:
+        """Time every step by part from now on (``ferry bench --profile``), or stop (``on=False``).
+        Returns the profiler."""
+        self.profiler = StepProfiler() if on else None
         set_profiler = getattr(self.executor, "set_profiler", None)
         if set_profiler is not None:
             set_profiler(self.profiler)

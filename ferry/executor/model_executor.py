@@ -81,18 +81,21 @@ class ModelExecutor:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.seed, grammars=self.grammars)
         self.tick: Callable[[str], None] = no_tick
+        self.matmul_precision = config.fp32_matmul_precision
 
     def check_sampling_params(self, sp: SamplingParams) -> None:
         """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar."""
         if sp.structured_outputs is not None:
             self.grammars.validate(sp.structured_outputs)
 
-    def set_profiler(self, profiler: StepProfiler) -> None:
+    def set_profiler(self, profiler: StepProfiler | None) -> None:
         """Report the parts of each step to ``profiler`` (``LLMEngine.enable_profiling``)."""
-        self.tick = profiler.tick
+        self.tick = no_tick if profiler is None else profiler.tick
         self.model.profiler = profiler
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # Process-wide in torch: set for every step, as another engine in this process may differ.
+        torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
         batch = pack(out.chunks, self.block_size)
         self.tick("pack")

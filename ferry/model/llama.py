@@ -200,6 +200,7 @@ class LlamaModel:
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor, tick: Callable[[str], None]) -> torch.Tensor:
         x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
-        logits = linear(x, self.lm_head, use_kernel=self.use_kernel).float()
+        # Contiguous: sampling reads rows, and a transposed product's rows are strided.
+        logits = linear(x, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
         tick("lm_head")
         return logits

@@ -84,16 +84,20 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         y = torch.empty(m, n, dtype=torch.float32)
         lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
         return y
-    # y.T in row slices: each slice of the weight is dequantized, used at once while in cache.
-    yt = torch.empty(n, m, dtype=torch.float32)
     step = max(1, SLICE_FLOATS // k)
     buf = torch.empty(min(n, step), k, dtype=torch.float32)
+    if n <= step:
+        lib.quant_dequant(w.data.data_ptr(), None, buf.data_ptr(), n, k, w.kernel_type)
+        return torch.mm(x, buf.t())
+    # A large matrix (an LM head) in row slices of y.T: each slice of the weight is dequantized
+    # and used at once, while in cache.
+    yt = torch.empty(n, m, dtype=torch.float32)
     row_bytes = w.data.shape[1]
     for n0 in range(0, n, step):
         rows = min(step, n - n0)
         lib.quant_dequant(w.data.data_ptr() + n0 * row_bytes, None, buf.data_ptr(), rows, k, w.kernel_type)
         torch.mm(buf[:rows], x.t(), out=yt[n0:n0 + rows])
-    return yt.t()
+    return yt.t().contiguous()
 
 
 def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:

@@ -38,9 +38,6 @@ static inline float hsum(vf v) {
     for (int i = 0; i < V; i++) s += v[i];
     return s;
 }
-/* Keeps the compiler from fusing a multiply and an add into an FMA, which would round
- * differently from the gguf library's dequantization. */
-#define NO_FMA(x) __asm__("" : "+v"(x))
 
 /* V bytes as floats, unsigned or signed. Intrinsics: gcc's generic conversions of byte
  * vectors go lane by lane. */
@@ -74,9 +71,9 @@ static inline __attribute__((always_inline)) vf dequant(const uint8_t *blk, int 
     if (type == Q4_0) return (q - 8.f) * d;
     float m;
     memcpy(&m, blk + 4, 4);
-    vf w = q * d;
-    NO_FMA(w);
-    return w + m;
+    /* q * d is exact (4-bit q, float16 d), so whether the compiler fuses the add or not,
+     * this is the gguf library's float32 q * d + m. */
+    return q * d + m;
 }
 
 /* Rows [n0, n0 + nr) of y for input rows [m0, m0 + mr), dequantizing as it goes. */
