@@ -212,3 +212,16 @@ def test_bench_input_errors_are_messages():
     assert p.returncode == 2 and "request rate must be > 0" in p.stderr
     p = ferry("bench", "sweep", "--num-prompts", "2", "--slo", "foo=1")
     assert p.returncode == 2 and "SLO key 'foo'" in p.stderr
+
+
+def test_bench_kernels_times_every_implementation_against_its_bound(llm):
+    from ferry.bench.kernels import SHAPES, bench_kernels, format_kernels
+
+    report = bench_kernels(llm.engine.executor.model, rows=[1, 3], reps=1)
+    assert report["bounds"]["dram_gb_s"] > 0 and report["bounds"]["fma_gflop_s"] > 0
+    assert [(r["shape"], r["m"]) for r in report["rows"]] == [(s, m) for s in SHAPES for m in (1, 3)]
+    for r in report["rows"]:
+        for impl in ("ferry_quant", "ferry_f32", "torch_f32", "numpy_openblas_f32"):
+            assert r[impl]["ms"] > 0 and r[impl]["of_bound"] > 0
+    assert report["rows"][0]["quant_type"] == "Q4_1" and report["rows"][-1]["quant_type"] == "Q8_0"
+    assert "lm_head" in format_kernels(report)

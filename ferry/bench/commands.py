@@ -1,4 +1,4 @@
-"""``ferry bench offline | online | sweep | seed``: the command-line side of the benchmarks."""
+"""``ferry bench offline | online | sweep | kernels | seed``: the command-line side of the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -153,6 +153,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.kernels import bench_kernels, format_kernels
+    from ferry.executor.model_executor import ModelExecutor
+
+    rows = [int(r) for r in args.rows.split(",")]
+    report = bench_kernels(ModelExecutor(config).model, rows, args.reps)
+    print(format_kernels(report))
+    write_json(args.output_json, report)
+    return 0
+
+
 def cmd_bench_seed(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.seed_experiments import run_seed_experiments
 
@@ -205,6 +216,13 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     add_output_args(p)
     add_engine_args(p, lists=tuple(SWEEPABLE))
     p.set_defaults(func=run(cmd_bench_sweep))
+    p = bsub.add_parser("kernels", help="the model's matrix products at decode sizes: ferry's kernels, torch, "
+                                         "numpy (OpenBLAS), against the memory or FMA bound")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="comma-separated M (rows) to time")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (the median is kept)")
+    p.add_argument("--output-json")
+    add_engine_args(p)
+    p.set_defaults(func=run(cmd_bench_kernels))
     p = bsub.add_parser("seed", help="the seed's experiments (a)-(d) on this engine: DIR/report.md and plots")
     p.add_argument("--out", required=True, help="directory for report.md and the plots")
     p.add_argument("--quick", action="store_true", help="small versions of every experiment (a minute)")

@@ -47,10 +47,14 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
     if config.load_format == "dummy":
         return dummy_weights(cfg, config.seed)
     gguf = gguf_file(config.model)
-    quantization = config.quantization or ("gguf" if gguf is not None else "none")
+    # Quantized weights multiply float32 activations: another dtype runs the dequantized model.
+    quantization = config.quantization or ("gguf" if gguf is not None and config.dtype == "float32" else "none")
     if quantization == "gguf":
         if gguf is None:
             raise ValueError(f"quantization 'gguf' needs a .gguf model file; {config.model!r} is a directory")
+        if config.dtype != "float32":
+            raise ValueError(f"quantization 'gguf' computes in float32; dtype {config.dtype!r} needs "
+                             f"quantization 'none'")
         if load_kernels() is None:
             log.warning("no C kernels here (no compiler?): quantized weights are dequantized to float32")
         else:

@@ -1,0 +1,95 @@
+"""``ferry bench kernels``: the model's matrix products at decode-sized M, by every implementation
+at hand, against the bound that applies (weight bytes at DRAM bandwidth, or FLOPs at the FMA peak).
+
+Implementations: ferry's quantized kernel (the GGUF's own weights), ferry's float32 streaming
+kernel, torch (oneDNN/MKL) and numpy (OpenBLAS) on the dequantized float32 weights. Each product
+cycles through the weights of every layer, as a decode step does, so the weights come from memory,
+not from a cache warmed by the previous repetition.
+"""
+from __future__ import annotations
+
+import time
+from statistics import median
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ferry.model.quant import QuantWeight, dequantize, quant_linear
+
+# (name, weight name pattern); the layer's fused products are built as the model builds them.
+SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+
+
+def _weights(name: str, layers: list[Any], lm_head: Any) -> list[Any]:
+    return [lm_head] if name == "lm_head" else [getattr(layer, name) for layer in layers]
+
+
+def _time(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return median(times)
+
+
+def machine_bounds(threads: int) -> dict[str, float]:
+    """DRAM read bandwidth (GB/s, a 1 GiB sum) and the float32 FMA peak (GFLOP/s, a large
+    product), both measured now with ``threads`` threads."""
+    big = torch.ones(2**28)
+    bw = big.numel() * 4 / _time(lambda: big.sum(), 3) / 1e9
+    del big
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    peak = 2 * 1024**3 / _time(lambda: torch.mm(a, b), 5) / 1e9
+    return {"dram_gb_s": bw, "fma_gflop_s": peak, "threads": threads}
+
+
+def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
+    """Per shape and M: ms, GFLOP/s and weight GB/s of each implementation, and the bound."""
+    from ferry.model.llama import skinny_linear
+
+    bounds = machine_bounds(torch.get_num_threads())
+    results = []
+    for name in SHAPES:
+        quant = _weights(name, model.layers, model.lm_head)
+        if not isinstance(quant[0], QuantWeight):
+            raise ValueError("bench kernels needs the quantized model (quantization='gguf')")
+        floats = [dequantize(w) for w in quant]
+        arrays = [f.numpy() for f in floats]
+        n, k = quant[0].shape
+        for m in rows:
+            x = torch.randn(m, k)
+            xn = x.numpy()
+            impls = {
+                "ferry_quant": lambda: [quant_linear(x, w) for w in quant],
+                "ferry_f32": lambda: [skinny_linear(x, w) for w in floats],
+                "torch_f32": lambda: [torch.mm(w, x.t()) for w in floats],
+                "numpy_openblas_f32": lambda: [w @ xn.T for w in arrays],
+            }
+            flops = 2 * m * n * k
+            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "quant_type": quant[0].qtype}
+            for impl, fn in impls.items():
+                t = _time(fn, reps) / len(quant)
+                wbytes = quant[0].nbytes if impl == "ferry_quant" else n * k * 4
+                bound = max(wbytes / (bounds["dram_gb_s"] * 1e9), flops / (bounds["fma_gflop_s"] * 1e9))
+                row[impl] = {"ms": 1e3 * t, "gflop_s": flops / t / 1e9, "gb_s": wbytes / t / 1e9,
+                             "of_bound": bound / t}
+            results.append(row)
+        del floats, arrays
+    return {"bounds": bounds, "rows": results}
+
+
+def format_kernels(report: dict[str, Any]) -> str:
+    b = report["bounds"]
+    lines = [f"bounds (measured now, {b['threads']} threads): DRAM {b['dram_gb_s']:.1f} GB/s, "
+             f"float32 FMA {b['fma_gflop_s']:.0f} GFLOP/s",
+             "ms per product (GFLOP/s, weight GB/s, share of the bound)"]
+    impls = ("ferry_quant", "ferry_f32", "torch_f32", "numpy_openblas_f32")
+    lines.append(f"{'shape':<8} {'N x K':>11} {'M':>3}  " + "  ".join(f"{i:>30}" for i in impls))
+    for r in report["rows"]:
+        cells = [f"{r[i]['ms']:6.3f} ({r[i]['gflop_s']:4.0f}, {r[i]['gb_s']:5.1f}, {100 * r[i]['of_bound']:3.0f}%)"
+                 for i in impls]
+        lines.append(f"{r['shape']:<8} {r['n']:>5}x{r['k']:<5} {r['m']:>3}  " + "  ".join(f"{c:>30}" for c in cells))
+    return "\n".join(lines)
