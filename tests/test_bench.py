@@ -225,3 +225,15 @@ def test_bench_kernels_times_every_implementation_against_its_bound(llm):
             assert r[impl]["ms"] > 0 and r[impl]["of_bound"] > 0
     assert report["rows"][0]["quant_type"] == "Q4_1" and report["rows"][-1]["quant_type"] == "Q8_0"
     assert "lm_head" in format_kernels(report)
+
+
+def test_bench_accuracy_compares_next_token_predictions(llm, parity_prompts):
+    from ferry import LLM
+    from ferry.bench.accuracy import compare
+
+    prompts = parity_prompts[:3]
+    same = compare(llm, llm, prompts)
+    assert same["positions"] == sum(len(p) - 1 for p in prompts)
+    assert same["top1_agreement"] == 1.0 and same["max_abs_logprob_diff"] == 0.0
+    other = compare(llm, LLM(load_format="dummy"), prompts)  # random weights: another model
+    assert other["top1_agreement"] < 0.5 and other["mean_abs_logprob_diff"] > 1.0

@@ -1,4 +1,4 @@
-"""``ferry bench offline | online | sweep | kernels | seed``: the command-line side of the benchmarks."""
+"""``ferry bench offline | online | sweep | kernels | accuracy | seed``: the command-line side of the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -164,6 +164,17 @@ def cmd_bench_kernels(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
+def cmd_bench_accuracy(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.accuracy import run_accuracy
+
+    r = run_accuracy(config)
+    print(f"{r['settings']} against float32 products on the same weights, {r['positions']} positions: "
+          f"top-1 agreement {100 * r['top1_agreement']:.2f}%, logprob difference mean "
+          f"{r['mean_abs_logprob_diff']:.4f}, max {r['max_abs_logprob_diff']:.4f} (nats)")
+    write_json(args.output_json, r)
+    return 0
+
+
 def cmd_bench_seed(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.seed_experiments import run_seed_experiments
 
@@ -223,6 +234,11 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--output-json")
     add_engine_args(p)
     p.set_defaults(func=run(cmd_bench_kernels))
+    p = bsub.add_parser("accuracy", help="the accuracy cost of these engine settings (e.g. --fp32-matmul-precision "
+                                          "bf16) against float32 products: top-1 agreement, logprob difference")
+    p.add_argument("--output-json")
+    add_engine_args(p)
+    p.set_defaults(func=run(cmd_bench_accuracy))
     p = bsub.add_parser("seed", help="the seed's experiments (a)-(d) on this engine: DIR/report.md and plots")
     p.add_argument("--out", required=True, help="directory for report.md and the plots")
     p.add_argument("--quick", action="store_true", help="small versions of every experiment (a minute)")
