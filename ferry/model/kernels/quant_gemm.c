@@ -135,8 +135,8 @@ static inline __attribute__((always_inline)) void dequant_rows(const uint8_t *w,
 }
 
 /* The float32 product of KR buffered weight rows with MB input rows. */
-#define KR 8
-#define MB 3
+#define KR 4
+#define MB 6
 static inline __attribute__((always_inline)) void f32_block(const float *x, const float *wbuf, float *y,
                                                             int64_t N, int64_t K, const int nr, const int mr) {
     vf acc[KR][MB];
@@ -163,10 +163,18 @@ static inline __attribute__((always_inline)) void buffered_rows(
         const int mb = M - m0 < MB ? (int)(M - m0) : MB;
         const float *xb = x + m0 * K;
         float *yb = y + m0 * N + n0;
-        if (nb == KR && mb == MB) f32_block(xb, wbuf, yb, N, K, KR, MB);
-        else if (nb == KR && mb == 2) f32_block(xb, wbuf, yb, N, K, KR, 2);
-        else if (nb == KR) f32_block(xb, wbuf, yb, N, K, KR, 1);
-        else f32_block(xb, wbuf, yb, N, K, nb, mb);
+        if (nb == KR) {
+            switch (mb) {  /* constant counts: the accumulators stay in registers */
+                case 6: f32_block(xb, wbuf, yb, N, K, KR, 6); break;
+                case 5: f32_block(xb, wbuf, yb, N, K, KR, 5); break;
+                case 4: f32_block(xb, wbuf, yb, N, K, KR, 4); break;
+                case 3: f32_block(xb, wbuf, yb, N, K, KR, 3); break;
+                case 2: f32_block(xb, wbuf, yb, N, K, KR, 2); break;
+                default: f32_block(xb, wbuf, yb, N, K, KR, 1);
+            }
+        } else {
+            f32_block(xb, wbuf, yb, N, K, nb, mb);
+        }
     }
 }
 
