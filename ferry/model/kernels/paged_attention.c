@@ -53,75 +53,85 @@ static inline vf vexp(vf x) {
     return vselect(under, (vf){0}, p * scale);
 }
 
-/* Slots [j0, j1) of one request, the G query heads of KV head h, in one pass: each slot's K
- * (then V) row of that head is read once for all G queries. A running softmax per query head,
- * rescaled once per tile of TILE slots. G and NV (= D / V) are constants at each call site, so
- * the G x NV query and output vectors stay in registers. Writes the unnormalised output, the
- * running max and the sum: the caller merges the ranges of one request. */
+/* Slots [j0, j1) of one request, every head, in one pass: per tile of TILE slots, the tile's
+ * K rows (then V rows), all KV heads, are read whole (a block's slots are contiguous, which the
+ * hardware prefetcher streams), and each KV head's G queries use their part while it is in L1.
+ * A running softmax per query head, rescaled once per tile. G and NV (= D / V) are constants at
+ * each call site, so one head group's query and output vectors sit in registers for its part
+ * of a tile. o, mx, sum: per query head, the unnormalised output, running max and sum (the
+ * caller merges the ranges of one request). */
 static inline __attribute__((always_inline)) void one_range(
         const float *q, const float *k, const float *v, const int64_t *table, int64_t j0, int64_t j1,
-        float *o, float *mx, float *sum, int64_t h, int64_t Hkv, int64_t block_size, float scale,
-        const int G, const int NV) {
-    const int64_t row = Hkv * NV * V, D = NV * V;
-    vf qv[G][NV], ov[G][NV];
-    float p[G][TILE] __attribute__((aligned(64)));
-    for (int g = 0; g < G; g++) {
-        for (int i = 0; i < NV; i++) { qv[g][i] = loadv(q + g * D + i * V) * scale; ov[g][i] = (vf){0}; }
-        mx[g] = -INFINITY;
-        sum[g] = 0.f;
-    }
+        float *o, float *mx, float *sum, int64_t Hkv, int64_t block_size, float scale, const int G, const int NV) {
+    const int64_t D = NV * V, row = Hkv * D;
+    for (int64_t i = 0; i < Hkv * G * D; i++) o[i] = 0.f;
+    for (int64_t hq = 0; hq < Hkv * G; hq++) { mx[hq] = -INFINITY; sum[hq] = 0.f; }
     for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
         const int64_t n = j1 - t0 < TILE ? j1 - t0 : TILE;
-        /* The next tile's rows of this head: a row is D floats with a gap (the other heads)
-         * before the next, which the hardware prefetcher does not run ahead on. */
+        const float *rows_k[TILE], *rows_v[TILE];
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t off = (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * row;
+            rows_k[t] = k + off;
+            rows_v[t] = v + off;
+        }
+        /* The next tile's rows: ask for them now, while this tile computes. */
         for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < j1; j++) {
-            const int64_t off = (table[j / block_size] * block_size + j % block_size) * row + h * D;
-            for (int64_t i = 0; i < D; i += 16) {
+            const int64_t off = (table[j / block_size] * block_size + j % block_size) * row;
+            for (int64_t i = 0; i < row; i += 16) {
                 __builtin_prefetch(k + off + i);
                 __builtin_prefetch(v + off + i);
             }
         }
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t j = t0 + t;
-            const float *kt = k + (table[j / block_size] * block_size + j % block_size) * row + h * D;
-            vf kv[NV];
-            for (int i = 0; i < NV; i++) kv[i] = loadv(kt + i * V);
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float *qh = q + h * G * D;
+            float *oh = o + h * G * D, *mh = mx + h * G, *sh = sum + h * G;
+            vf qv[G][NV], ov[G][NV];
+            float p[G][TILE] __attribute__((aligned(64)));
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < NV; i++) {
+                    qv[g][i] = loadv(qh + g * D + i * V) * scale;
+                    ov[g][i] = loadv(oh + g * D + i * V);
+                }
+            for (int64_t t = 0; t < n; t++) {
+                const float *kt = rows_k[t] + h * D;
+                vf kv[NV];
+                for (int i = 0; i < NV; i++) kv[i] = loadv(kt + i * V);
+                for (int g = 0; g < G; g++) {
+                    vf acc = qv[g][0] * kv[0];
+                    for (int i = 1; i < NV; i++) acc += qv[g][i] * kv[i];
+                    p[g][t] = hsum(acc);
+                }
+            }
             for (int g = 0; g < G; g++) {
-                vf acc = qv[g][0] * kv[0];
-                for (int i = 1; i < NV; i++) acc += qv[g][i] * kv[i];
-                p[g][t] = hsum(acc);
+                /* One vector per tile (the tail padded with -inf). */
+                for (int64_t t = n; t < TILE; t++) p[g][t] = -INFINITY;
+                const vf sc = loadv(p[g]);
+                const float m = fmaxf(mh[g], hmax(sc)), corr = expf(mh[g] - m);
+                const vf e = vexp(sc - m);
+                memcpy(p[g], &e, sizeof e);
+                sh[g] = sh[g] * corr + hsum(e);
+                mh[g] = m;
+                for (int i = 0; i < NV; i++) ov[g][i] *= corr;
             }
-        }
-        for (int g = 0; g < G; g++) {
-            /* One vector per tile (the tail padded with -inf). */
-            for (int64_t t = n; t < TILE; t++) p[g][t] = -INFINITY;
-            const vf sc = loadv(p[g]);
-            const float m = fmaxf(mx[g], hmax(sc)), corr = expf(mx[g] - m);
-            const vf e = vexp(sc - m);
-            memcpy(p[g], &e, sizeof e);
-            sum[g] = sum[g] * corr + hsum(e);
-            mx[g] = m;
-            for (int i = 0; i < NV; i++) ov[g][i] *= corr;
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t j = t0 + t;
-            const float *vt = v + (table[j / block_size] * block_size + j % block_size) * row + h * D;
-            for (int i = 0; i < NV; i++) {
-                const vf x = loadv(vt + i * V);
-                for (int g = 0; g < G; g++) ov[g][i] += p[g][t] * x;
+            for (int64_t t = 0; t < n; t++) {
+                const float *vt = rows_v[t] + h * D;
+                for (int i = 0; i < NV; i++) {
+                    const vf x = loadv(vt + i * V);
+                    for (int g = 0; g < G; g++) ov[g][i] += p[g][t] * x;
+                }
             }
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < NV; i++) memcpy(oh + g * D + i * V, &ov[g][i], sizeof(vf));
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < NV; i++) memcpy(o + g * D + i * V, &ov[g][i], sizeof(vf));
 }
 
 /* one_range for a (G, D) the switch below instantiates; returns 0 for another shape. */
 static int one_range_any(const float *q, const float *k, const float *v, const int64_t *table, int64_t j0,
-                         int64_t j1, float *o, float *mx, float *sum, int64_t h, int64_t Hkv, int64_t D,
+                         int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D,
                          int64_t G, int64_t block_size, float scale) {
 #define CASE(g, nv) case (g) * 100 + (nv): \
-        one_range(q, k, v, table, j0, j1, o, mx, sum, h, Hkv, block_size, scale, g, nv); return 1;
+        one_range(q, k, v, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv); return 1;
     switch (G * 100 + D / V) {
         CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
         CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8) CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
@@ -131,36 +141,35 @@ static int one_range_any(const float *q, const float *k, const float *v, const i
 #undef CASE
 }
 
-/* one_range for any head shape, plainly: scores for the range, their exponentials, then V. */
+/* one_range for any head shape, plainly (all heads): scores, their exponentials, then V. */
 static void one_range_plain(const float *q, const float *k, const float *v, const int64_t *table,
-                            int64_t j0, int64_t j1, float *o, float *mx, float *sum, int64_t h, int64_t G,
+                            int64_t j0, int64_t j1, float *o, float *mx, float *sum, int64_t G,
                             int64_t Hkv, int64_t D, int64_t block_size, float scale, float *scores) {
-    const int64_t row = Hkv * D, L = j1 - j0;
+    const int64_t row = Hkv * D, L = j1 - j0, Hq = G * Hkv;
     for (int64_t j = 0; j < L; j++) {
-        const float *kh = k + (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row + h * D;
-        for (int64_t g = 0; g < G; g++) {
+        const float *kj = k + (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row;
+        for (int64_t hq = 0; hq < Hq; hq++) {
             float s = 0.f;
-            for (int64_t d = 0; d < D; d++) s += q[g * D + d] * kh[d];
-            scores[g * L + j] = s * scale;
+            for (int64_t d = 0; d < D; d++) s += q[hq * D + d] * kj[hq / G * D + d];
+            scores[hq * L + j] = s * scale;
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sh = scores + g * L, m = sh[0], total = 0.f;
-        for (int64_t j = 1; j < L; j++) m = sh[j] > m ? sh[j] : m;
-        for (int64_t j = 0; j < L; j++) { sh[j] = expf(sh[j] - m); total += sh[j]; }
-        mx[g] = m;
-        sum[g] = total;
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        float *sc = scores + hq * L, m = sc[0], total = 0.f;
+        for (int64_t j = 1; j < L; j++) m = sc[j] > m ? sc[j] : m;
+        for (int64_t j = 0; j < L; j++) { sc[j] = expf(sc[j] - m); total += sc[j]; }
+        mx[hq] = m;
+        sum[hq] = total;
     }
-    for (int64_t i = 0; i < G * D; i++) o[i] = 0.f;
+    for (int64_t i = 0; i < Hq * D; i++) o[i] = 0.f;
     for (int64_t j = 0; j < L; j++) {
-        const float *vh = v + (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row + h * D;
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) o[g * D + d] += scores[g * L + j] * vh[d];
+        const float *vj = v + (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row;
+        for (int64_t hq = 0; hq < Hq; hq++)
+            for (int64_t d = 0; d < D; d++) o[hq * D + d] += scores[hq * L + j] * vj[hq / G * D + d];
     }
 }
 
-/* Slots per work item: long contexts are split so that one request still uses every thread
- * (items are (request, KV head, range)). */
+/* Slots per work item: long contexts are split so that one request still uses every thread. */
 #define RANGE 256
 
 void paged_decode_attention(const float *q, const float *k, const float *v,
@@ -168,47 +177,44 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                             int64_t block_size, int64_t max_blocks, float scale) {
     const int64_t G = Hq / Hkv;
-    /* Work items: (request, KV head, range of RANGE slots); first[b] is request b's first item. */
+    /* Work items: (request, range of RANGE slots); first[b] is request b's first item. */
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + Hkv * ((lens[b] + RANGE - 1) / RANGE);
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (lens[b] + RANGE - 1) / RANGE;
     const int64_t items = first[B];
     int64_t *owner = malloc(sizeof(int64_t) * items);
     for (int64_t b = 0; b < B; b++)
         for (int64_t it = first[b]; it < first[b + 1]; it++) owner[it] = b;
-    /* Per item: G outputs of D floats, G maxima, G sums. */
-    float *po = malloc(sizeof(float) * items * G * (D + 2)), *pm = po + items * G * D, *ps = pm + items * G;
+    /* Per item and query head: an output of D floats, a max, a sum. */
+    float *po = malloc(sizeof(float) * items * Hq * (D + 2)), *pm = po + items * Hq * D, *ps = pm + items * Hq;
     #pragma omp parallel
     {
         float *scores = NULL;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t b = owner[it], r = (it - first[b]) / Hkv, h = (it - first[b]) % Hkv;
-            const int64_t j0 = r * RANGE, j1 = j0 + RANGE < lens[b] ? j0 + RANGE : lens[b];
-            const float *qb = q + (b * Hq + h * G) * D;
-            float *ob = po + it * G * D;
-            if (!one_range_any(qb, k, v, tables + b * max_blocks, j0, j1, ob, pm + it * G, ps + it * G, h, Hkv,
-                               D, G, block_size, scale)) {
-                if (!scores) scores = malloc(sizeof(float) * G * RANGE);
-                one_range_plain(qb, k, v, tables + b * max_blocks, j0, j1, ob, pm + it * G, ps + it * G, h, G,
-                                Hkv, D, block_size, scale, scores);
+            const int64_t b = owner[it], j0 = (it - first[b]) * RANGE;
+            const int64_t j1 = j0 + RANGE < lens[b] ? j0 + RANGE : lens[b];
+            const float *qb = q + b * Hq * D;
+            if (!one_range_any(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
+                               ps + it * Hq, Hkv, D, G, block_size, scale)) {
+                if (!scores) scores = malloc(sizeof(float) * Hq * RANGE);
+                one_range_plain(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
+                                ps + it * Hq, G, Hkv, D, block_size, scale, scores);
             }
         }
         free(scores);
-        /* Merge each (request, head)'s ranges: rescale to the common max, add, divide by the sum. */
+        /* Merge each request's ranges: rescale to the common max, add, divide by the sum. */
         #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
             for (int64_t hq = 0; hq < Hq; hq++) {
-                const int64_t h = hq / G, g = hq % G, n_ranges = (first[b + 1] - first[b]) / Hkv;
                 float m = -INFINITY, total = 0.f;
-                for (int64_t r = 0; r < n_ranges; r++) m = fmaxf(m, pm[(first[b] + r * Hkv + h) * G + g]);
+                for (int64_t it = first[b]; it < first[b + 1]; it++) m = fmaxf(m, pm[it * Hq + hq]);
                 float *o = out + (b * Hq + hq) * D;
                 for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-                for (int64_t r = 0; r < n_ranges; r++) {
-                    const int64_t it = first[b] + r * Hkv + h;
-                    const float w = expf(pm[it * G + g] - m);
-                    total += w * ps[it * G + g];
-                    const float *src = po + (it * G + g) * D;
+                for (int64_t it = first[b]; it < first[b + 1]; it++) {
+                    const float w = expf(pm[it * Hq + hq] - m);
+                    total += w * ps[it * Hq + hq];
+                    const float *src = po + (it * Hq + hq) * D;
                     for (int64_t d = 0; d < D; d++) o[d] += w * src[d];
                 }
                 for (int64_t d = 0; d < D; d++) o[d] /= total;
