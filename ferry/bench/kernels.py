@@ -47,38 +47,41 @@ def machine_bounds(threads: int) -> dict[str, float]:
 
 
 def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
-    """Per shape and M: ms, GFLOP/s and weight GB/s of each implementation, and the bound."""
+    """Per shape and M: ms, GFLOP/s and weight GB/s of each implementation, and the bound.
+
+    numpy's products run last, all of them: OpenBLAS's threads keep spinning for a while after
+    each call, and would slow whatever runs next on the two cores."""
     from ferry.model.llama import skinny_linear
 
     bounds = machine_bounds(torch.get_num_threads())
-    results = []
-    for name in SHAPES:
-        quant = _weights(name, model.layers, model.lm_head)
-        if not isinstance(quant[0], QuantWeight):
-            raise ValueError("bench kernels needs the quantized model (quantization='gguf')")
-        floats = [dequantize(w) for w in quant]
-        arrays = [f.numpy() for f in floats]
-        n, k = quant[0].shape
-        for m in rows:
-            x = torch.randn(m, k)
-            xn = x.numpy()
-            impls = {
-                "ferry_quant": lambda: [quant_linear(x, w) for w in quant],
-                "ferry_f32": lambda: [skinny_linear(x, w) for w in floats],
-                "torch_f32": lambda: [torch.mm(w, x.t()) for w in floats],
-                "numpy_openblas_f32": lambda: [w @ xn.T for w in arrays],
-            }
-            flops = 2 * m * n * k
-            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "quant_type": quant[0].qtype}
-            for impl, fn in impls.items():
-                t = _time(fn, reps) / len(quant)
-                wbytes = quant[0].nbytes if impl == "ferry_quant" else n * k * 4
-                bound = max(wbytes / (bounds["dram_gb_s"] * 1e9), flops / (bounds["fma_gflop_s"] * 1e9))
-                row[impl] = {"ms": 1e3 * t, "gflop_s": flops / t / 1e9, "gb_s": wbytes / t / 1e9,
-                             "of_bound": bound / t}
-            results.append(row)
-        del floats, arrays
-    return {"bounds": bounds, "rows": results}
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    for numpy_pass in (False, True):
+        for name in SHAPES:
+            quant = _weights(name, model.layers, model.lm_head)
+            if not isinstance(quant[0], QuantWeight):
+                raise ValueError("bench kernels needs the quantized model (quantization='gguf')")
+            floats = [dequantize(w) for w in quant]
+            arrays = [f.numpy() for f in floats]
+            n, k = quant[0].shape
+            for m in rows:
+                x = torch.randn(m, k)
+                xn = x.numpy()
+                impls = {"numpy_openblas_f32": lambda: [w @ xn.T for w in arrays]} if numpy_pass else {
+                    "ferry_quant": lambda: [quant_linear(x, w) for w in quant],
+                    "ferry_f32": lambda: [skinny_linear(x, w) for w in floats],
+                    "torch_f32": lambda: [torch.mm(w, x.t()) for w in floats],
+                }
+                flops = 2 * m * n * k
+                row = results.setdefault((name, m), {"shape": name, "n": n, "k": k, "m": m,
+                                                     "quant_type": quant[0].qtype})
+                for impl, fn in impls.items():
+                    t = _time(fn, reps) / len(quant)
+                    wbytes = quant[0].nbytes if impl == "ferry_quant" else n * k * 4
+                    bound = max(wbytes / (bounds["dram_gb_s"] * 1e9), flops / (bounds["fma_gflop_s"] * 1e9))
+                    row[impl] = {"ms": 1e3 * t, "gflop_s": flops / t / 1e9, "gb_s": wbytes / t / 1e9,
+                                 "of_bound": bound / t}
+            del floats, arrays
+    return {"bounds": bounds, "rows": list(results.values())}
 
 
 def format_kernels(report: dict[str, Any]) -> str:

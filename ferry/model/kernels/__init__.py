@@ -23,6 +23,7 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c")]
+HEADERS = [Path(__file__).with_name("vec.h")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
 
 
@@ -55,7 +56,7 @@ def load_kernels() -> ctypes.CDLL | None:
         log.warning("torch ships no libgomp here: using the pure-torch path")
         return None
     link = [f"-Wl,-rpath,{gomp.parent}", str(gomp), "-lm"]
-    text = b"".join(src.read_bytes() for src in SOURCES)
+    text = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     key = hashlib.sha256(text + " ".join(COMPILE_FLAGS + link).encode() + _cpu_id().encode()).hexdigest()[:16]
     lib = default_cache_dir() / "kernels" / f"ferry-kernels-{key}.so"
     if not lib.is_file():

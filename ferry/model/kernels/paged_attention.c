@@ -15,20 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define V 16
-#else
-#define V 8
-#endif
-typedef float vf __attribute__((vector_size(V * 4)));
+#include "vec.h"
 #define TILE V
 
-static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
-static inline float hsum(vf x) {
-    float s = 0.f;
-    for (int i = 0; i < V; i++) s += x[i];
-    return s;
-}
 static inline float hmax(vf x) {
     float m = x[0];
     for (int i = 1; i < V; i++) m = x[i] > m ? x[i] : m;

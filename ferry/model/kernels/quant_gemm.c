@@ -21,23 +21,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define V 16
-#else
-#define V 8
-#endif
-typedef float vf __attribute__((vector_size(V * 4)));
+#include "vec.h"
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 #define QK 32
 
 static inline int64_t block_bytes(int type) { return type == Q4_0 ? 20 : type == Q4_1 ? 24 : 36; }
-static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < V; i++) s += v[i];
-    return s;
-}
 
 /* V bytes as floats, unsigned or signed. Intrinsics: gcc's generic conversions of byte
  * vectors go lane by lane. */
@@ -89,7 +78,7 @@ static inline __attribute__((always_inline)) void fused_block(
     for (int64_t b = 0; b < K / QK; b++) {
         for (int s = 0; s < QK / V; s++) {
             vf xv[MR];
-            for (int j = 0; j < mr; j++) xv[j] = loadf(x + j * K + b * QK + s * V);
+            for (int j = 0; j < mr; j++) xv[j] = loadv(x + j * K + b * QK + s * V);
             for (int r = 0; r < nr; r++) {
                 const vf wv = dequant(w + r * row_bytes + b * bb, s, type);
                 for (int j = 0; j < mr; j++) acc[r][j] += wv * xv[j];
@@ -144,9 +133,9 @@ static inline __attribute__((always_inline)) void f32_block(const float *x, cons
         for (int j = 0; j < MB; j++) acc[r][j] = (vf){0};
     for (int64_t k = 0; k < K; k += V) {
         vf xv[MB];
-        for (int j = 0; j < mr; j++) xv[j] = loadf(x + j * K + k);
+        for (int j = 0; j < mr; j++) xv[j] = loadv(x + j * K + k);
         for (int r = 0; r < nr; r++) {
-            const vf wv = loadf(wbuf + r * K + k);
+            const vf wv = loadv(wbuf + r * K + k);
             for (int j = 0; j < mr; j++) acc[r][j] += wv * xv[j];
         }
     }
