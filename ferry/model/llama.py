@@ -45,7 +45,7 @@ TRANSPOSED_ROWS = 128
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T by the C kernel that streams each weight row once (float32, K % 8 == 0)."""
+    """x @ w.T by the C kernel that streams each weight row once (float32)."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     load_kernels().skinny_gemm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1])
@@ -63,7 +63,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     m = x.shape[0]
     if isinstance(w, QuantWeight):
         y = quant_linear(x, w)
-    elif use_kernel and m <= KERNEL_ROWS and x.shape[1] % 8 == 0:
+    elif use_kernel and m <= KERNEL_ROWS:
         y = skinny_linear(x, w)
     elif m <= TRANSPOSED_ROWS:
         y = torch.mm(w, x.t()).t()

@@ -23,7 +23,7 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c")]
-HEADERS = [Path(__file__).with_name("vec.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "f32_rows.h")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
 
 

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "f32_rows.h"
 #include "vec.h"
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
@@ -123,48 +124,12 @@ static inline __attribute__((always_inline)) void dequant_rows(const uint8_t *w,
             }
 }
 
-/* The float32 product of KR buffered weight rows with MB input rows. */
-#define KR 4
-#define MB 6
-static inline __attribute__((always_inline)) void f32_block(const float *x, const float *wbuf, float *y,
-                                                            int64_t N, int64_t K, const int nr, const int mr) {
-    vf acc[KR][MB];
-    for (int r = 0; r < KR; r++)
-        for (int j = 0; j < MB; j++) acc[r][j] = (vf){0};
-    for (int64_t k = 0; k < K; k += V) {
-        vf xv[MB];
-        for (int j = 0; j < mr; j++) xv[j] = loadv(x + j * K + k);
-        for (int r = 0; r < nr; r++) {
-            const vf wv = loadv(wbuf + r * K + k);
-            for (int j = 0; j < mr; j++) acc[r][j] += wv * xv[j];
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int j = 0; j < mr; j++) y[j * N + r] = hsum(acc[r][j]);
-}
-
 static inline __attribute__((always_inline)) void buffered_rows(
         const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t n0,
         int nb, float *wbuf, const int type) {
     const int64_t row_bytes = K / QK * block_bytes(type);
     dequant_rows(w + n0 * row_bytes, wbuf, nb, K, type);
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int mb = M - m0 < MB ? (int)(M - m0) : MB;
-        const float *xb = x + m0 * K;
-        float *yb = y + m0 * N + n0;
-        if (nb == KR) {
-            switch (mb) {  /* constant counts: the accumulators stay in registers */
-                case 6: f32_block(xb, wbuf, yb, N, K, KR, 6); break;
-                case 5: f32_block(xb, wbuf, yb, N, K, KR, 5); break;
-                case 4: f32_block(xb, wbuf, yb, N, K, KR, 4); break;
-                case 3: f32_block(xb, wbuf, yb, N, K, KR, 3); break;
-                case 2: f32_block(xb, wbuf, yb, N, K, KR, 2); break;
-                default: f32_block(xb, wbuf, yb, N, K, KR, 1);
-            }
-        } else {
-            f32_block(xb, wbuf, yb, N, K, nb, mb);
-        }
-    }
+    f32_rows(x, wbuf, y + n0, M, N, K, nb);
 }
 
 /* Up to this many input rows the fused path wins: dequantizing again per MR rows is cheaper
