@@ -1,4 +1,4 @@
-"""GGUF-quantized weights kept quantized in memory (Q4_0, Q4_1, Q8_0), and products with them.
+"""GGUF-quantized weights kept quantized in memory (Q4_0, Q4_1, Q8_0, Q4_K), and products with them.
 
 ``load_gguf_weights`` reads a llama GGUF straight into Hugging Face names: float tensors as
 float32, quantized ones repacked for the C kernel (``kernels/quant_gemm.c``, which documents the
@@ -19,8 +19,9 @@ import torch
 
 from ferry.model.kernels import load_kernels
 
-# GGUF type name -> (the kernel's type id, repacked bytes per block of 32).
-KERNEL_TYPES = {"Q4_0": (0, 20), "Q4_1": (1, 24), "Q8_0": (2, 36)}
+# GGUF type name -> (the kernel's type id, repacked bytes per block of 32). Q4_K's sub-blocks of 32
+# (a scale and a min each) are exactly Q4_1 blocks once their scales are multiplied out.
+KERNEL_TYPES = {"Q4_0": (0, 20), "Q4_1": (1, 24), "Q8_0": (2, 36), "Q4_K": (1, 24)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QK = 32
 
@@ -52,6 +53,8 @@ class QuantWeight:
 def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     """GGUF blocks (float16 scales) of a [N, K] tensor -> the kernel's blocks (float32 scales)."""
     n, k = shape
+    if qtype == "Q4_K":
+        return _repack_q4_k(raw, shape)
     nb = k // QK
     src = raw.reshape(n, nb, -1)
     out = np.empty((n, nb, KERNEL_TYPES[qtype][1]), dtype=np.uint8)
@@ -63,6 +66,29 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     else:
         out[..., 4:] = src[..., 2:]
     return QuantWeight(torch.from_numpy(out.reshape(n, -1)), qtype, shape)
+
+
+def _repack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+    """Q4_K super-blocks (256 weights: float16 d and dmin, 6-bit scales and mins, 4-bit quants) ->
+    Q4_1 blocks with scale d * sc and min -(dmin * m): the gguf library's d * sc * q - dmin * m,
+    bit for bit (q * (d * sc) is exact in float32)."""
+    from gguf.quants import Q4_K
+
+    n, k = shape
+    src = raw.reshape(-1, 144)
+    d = src[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = src[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(src[:, 4:16].copy())
+    scale = d * sc.astype(np.float32)  # [blocks, 8 sub-blocks]
+    low = -(dmin * mn.astype(np.float32))
+    # Each 32 bytes of quants hold two sub-blocks: low nibbles the first, high nibbles the second.
+    qs = src[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    vals = (qs & 15).reshape(-1, 8, 32)
+    out = np.empty((src.shape[0], 8, KERNEL_TYPES["Q4_K"][1]), dtype=np.uint8)
+    out[..., 0:4] = scale.astype(np.float32).reshape(-1, 8, 1).view(np.uint8)
+    out[..., 4:8] = low.astype(np.float32).reshape(-1, 8, 1).view(np.uint8)
+    out[..., 8:] = vals[..., :16] | (vals[..., 16:] << 4)
+    return QuantWeight(torch.from_numpy(out.reshape(n, -1)), "Q4_K", shape)
 
 
 def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,7 +128,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
     """Stack weights along the output dimension (fused qkv, gate+up); float32 if the types differ."""
-    if all(isinstance(w, QuantWeight) for w in ws) and len({w.qtype for w in ws}) == 1:
+    if all(isinstance(w, QuantWeight) for w in ws) and len({w.kernel_type for w in ws}) == 1:
         return QuantWeight(torch.cat([w.data for w in ws]).contiguous(), ws[0].qtype,
                            (sum(w.shape[0] for w in ws), ws[0].shape[1]))
     return torch.cat([dequantize(w) if isinstance(w, QuantWeight) else w for w in ws]).contiguous()
