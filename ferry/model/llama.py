@@ -38,9 +38,10 @@ class LayerWeights:
     down: Weight
 
 
-# Below these row counts BLAS's packing of the weight costs more than the product itself
-# (measured on a 2-core AVX2 CPU with the weights in DRAM): see linear().
-KERNEL_ROWS = 28
+# Float32 weights (quantization none): up to KERNEL_ROWS rows the streaming kernel beats BLAS,
+# whose packing of the weight costs more than a product this small; from 16 rows torch (oneDNN)
+# is faster (`ferry bench kernels`, 2-core AVX-512 CPU). See linear().
+KERNEL_ROWS = 8
 TRANSPOSED_ROWS = 128
 
 
