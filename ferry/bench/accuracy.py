@@ -59,8 +59,7 @@ def run_accuracy(config: EngineConfig) -> dict[str, Any]:
     from ferry import LLM
 
     exact_cfg = replace(config, fp32_matmul_precision="ieee", dtype="float32", quantization=None)
-    exact = LLM(**{k: v for k, v in vars(exact_cfg).items()})
-    other = LLM(**{k: v for k, v in vars(config).items()})
+    exact, other = LLM(**vars(exact_cfg)), LLM(**vars(config))
     prompts = [exact.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
     return {"settings": {"dtype": config.dtype, "quantization": config.quantization,
                          "fp32_matmul_precision": config.fp32_matmul_precision},

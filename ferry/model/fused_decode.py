@@ -40,13 +40,6 @@ def _ptr_type(w: Any) -> tuple[int, int]:
     return (w.data.data_ptr(), w.kernel_type) if isinstance(w, QuantWeight) else (w.data_ptr(), -1)
 
 
-def usable(cfg: ModelConfig, layers: list[Any], dtype: torch.dtype) -> bool:
-    """The kernels are built, the model is float32, and every product's K suits the kernels."""
-    return dtype == torch.float32 and load_kernels() is not None \
-        and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0 \
-        and (cfg.num_heads * cfg.head_dim) % 32 == 0 and cfg.head_dim % 2 == 0
-
-
 class FusedDecode:
     """Holds the layers' pointers for the C call; ``run`` updates the residual stream in place."""
 

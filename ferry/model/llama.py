@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from ferry.model.attention import AttentionMetadata, paged_attention
 from ferry.model.config import ModelConfig
 from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
-from ferry.model.fused_decode import usable as fused_usable
 from ferry.model.kernels import kernels_usable, load_kernels
 from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
 
@@ -158,7 +157,8 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.use_kernel = kernels_usable(dtype)
-        self.fused = FusedDecode(cfg, self.layers, self.scale) if fused_usable(cfg, self.layers, dtype) else None
+        # The kernels take any K (quantized weights come in whole blocks) and any head size.
+        self.fused = FusedDecode(cfg, self.layers, self.scale) if self.use_kernel else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -85,8 +85,8 @@ def _repack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
     qs = src[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     vals = (qs & 15).reshape(-1, 8, 32)
     out = np.empty((src.shape[0], 8, KERNEL_TYPES["Q4_K"][1]), dtype=np.uint8)
-    out[..., 0:4] = scale.astype(np.float32).reshape(-1, 8, 1).view(np.uint8)
-    out[..., 4:8] = low.astype(np.float32).reshape(-1, 8, 1).view(np.uint8)
+    out[..., 0:4] = scale.reshape(-1, 8, 1).view(np.uint8)
+    out[..., 4:8] = low.reshape(-1, 8, 1).view(np.uint8)
     out[..., 8:] = vals[..., :16] | (vals[..., 16:] << 4)
     return QuantWeight(torch.from_numpy(out.reshape(n, -1)), "Q4_K", shape)
 

@@ -1,7 +1,7 @@
 """Small C kernels (paged decode attention, skinny GEMM, quantized GEMM), loaded with ctypes.
 
 They are built once with the system C compiler. No torch headers are needed, so
-the build takes about a second; the shared library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
+the build takes a few seconds; the shared library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
 OpenMP comes from the libgomp that torch itself loads, so the kernels and torch
 share one thread pool instead of two pools fighting over the cores. Without a
 compiler (or without that libgomp) callers fall back to the pure-torch path.

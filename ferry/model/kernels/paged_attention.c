@@ -6,8 +6,8 @@
  * tables: [B, max_blocks] block ids of each request
  * lens:   [B]             context length of each request (the query's own token included)
  * out:    [B, Hq, D]
- * Work is split over (request, KV head) pairs with OpenMP, sharing torch's thread pool: one
- * request alone still uses every thread. Decode attention streams the whole KV context of every
+ * Work is split over (request, range of slots) items with OpenMP, sharing torch's thread pool:
+ * one long request alone still uses every thread. Decode attention streams the whole KV context of every
  * request each step, so it is bound by memory bandwidth: one pass, each byte read once.
  */
 #include <math.h>
@@ -25,7 +25,7 @@ static inline float hmax(vf x) {
 }
 typedef int32_t vi __attribute__((vector_size(V * 4)));
 /* exp of V lanes (x <= 0 here): 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial for
- * e^r, within 2 ulp of expf; below -87 it is 0 (the masked tail of a tile is -inf). gcc does not
+ * e^r (the attention tests hold it to torch within 1e-5); below -87 it is 0 (the masked tail of a tile is -inf). gcc does not
  * vectorize expf over a short fixed count: it unrolls the loop into scalar calls. */
 static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 static inline vf vexp(vf x) {

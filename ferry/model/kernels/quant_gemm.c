@@ -13,8 +13,9 @@
  * where element i < 16 is the low nibble of qs[i] and element 16 + i its high nibble.
  *
  * Few rows (decodes): each block is dequantized in registers and multiplied with every input
- * row. More rows: NR weight rows are dequantized into a small buffer that stays in L1, then a
- * register-blocked float32 product runs over all input rows. Threads split the weight rows
+ * row (up to MR rows). More rows: KR weight rows at a time are dequantized into a small buffer
+ * that stays in L1, then the register-blocked float32 product of f32_rows.h runs over all input
+ * rows. Threads split the weight rows
  * (OpenMP, torch's own runtime).
  */
 #include <immintrin.h>
@@ -132,13 +133,9 @@ static inline __attribute__((always_inline)) void buffered_rows(
     f32_rows(x, wbuf, y + n0, M, N, K, nb);
 }
 
-/* Up to this many input rows the fused path wins: dequantizing again per MR rows is cheaper
- * than a trip through the buffer. */
-#define FUSED_MAX_ROWS MR
-
 static inline __attribute__((always_inline)) void gemm_typed(const float *x, const uint8_t *w, float *y,
                                                              int64_t M, int64_t N, int64_t K, const int type) {
-    if (M <= FUSED_MAX_ROWS) {
+    if (M <= MR) {  /* dequantizing again per MR rows beats a trip through the buffer */
         #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NR)
             fused_rows(x, w, y, M, N, K, n0, N - n0 < NR ? (int)(N - n0) : NR, type);
