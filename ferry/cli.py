@@ -117,15 +117,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         history.append({"role": "user", "content": line})
         req = engine.add_request(apply_chat_template(llm.tokenizer, history), sp)
-        shown = 0
+        text = ""
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id == req.request_id:
-                    text = out.outputs[0].text
-                    print(text[shown:], end="", flush=True)
-                    shown = len(text)
+                    new = out.outputs[0].text
+                    print(new[len(text):], end="", flush=True)
+                    text = new
         print()
-        history.append({"role": "assistant", "content": req.output_text})
+        history.append({"role": "assistant", "content": text})
     return 0
 
 

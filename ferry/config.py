@@ -1,8 +1,52 @@
 """Engine settings, named as vLLM names them. Pure Python: the core reads it too."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``--speculative-config`` spells it. Only ``ngram`` (prompt
+    lookup): draft up to ``num_speculative_tokens`` tokens that followed an earlier occurrence
+    of the request's last n tokens, n in ``[prompt_lookup_min, prompt_lookup_max]``."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram' (the only drafter ferry has), "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be "
+                             f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (the command line's form); None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 @dataclass
@@ -34,6 +78,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     enable_chunked_prefill: bool = True
     scheduler: str = "continuous"  # "continuous" | "static"
+    # Reuse the KV of full blocks whose prefix was computed before (the static baseline never does).
+    enable_prefix_caching: bool = True
+    # None: no speculation. A SpeculativeConfig, or a dict / JSON text of one.
+    speculative_config: SpeculativeConfig | None = None
     seed: int = 0
     num_threads: int | None = None  # None: torch's default
     cache_dir: str | None = None  # where converted GGUF models are kept
@@ -56,6 +104,7 @@ class EngineConfig:
         check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'")
         check(self.scheduler in ("continuous", "static"), "scheduler", "'continuous' or 'static'")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     def check_model_len(self) -> None:
         """Checks that need max_model_len resolved (after the model's config is read)."""

@@ -58,10 +58,12 @@ def test_pure_torch_path_gives_the_same_tokens(llm, parity_prompts, alone):
     model = llm.engine.executor.model
     assert model.use_kernel, "the kernels should be built on this machine"
     model.use_kernel = False
+    llm.engine.reset_prefix_cache()  # computed here, not reused from the kernel path
     try:
         outs = llm.generate(parity_prompts, SP, use_tqdm=False)
     finally:
         model.use_kernel = True
+        llm.engine.reset_prefix_cache()  # nor left for later tests
     assert [o.outputs[0].token_ids for o in outs] == alone
 
 
@@ -70,8 +72,10 @@ def test_fused_decode_layers_give_the_same_tokens(llm, parity_prompts, alone):
     model = llm.engine.executor.model
     assert model.fused is not None, "the fused decode path should be usable on this machine"
     fused, model.fused = model.fused, None
+    llm.engine.reset_prefix_cache()
     try:
         outs = llm.generate(parity_prompts, SP, use_tqdm=False)
     finally:
+        llm.engine.reset_prefix_cache()
         model.fused = fused
     assert [o.outputs[0].token_ids for o in outs] == alone

@@ -20,7 +20,7 @@ class PoisonExecutor:
 
     def execute(self, out):
         self.calls += 1
-        if any(c.request.request_id == self.poison for c in out.chunks):
+        if any(c.request_id == self.poison for c in out.chunks):
             raise OverflowError("injected fault")
         return self.inner.execute(out)
 

@@ -20,11 +20,15 @@ def make_engine(num_blocks: int = 64, **kw) -> tuple[LLMEngine, FakeExecutor]:
     return LLMEngine(cfg, ex, num_kv_blocks=num_blocks, clock=ManualClock()), ex
 
 
-def run_all(engine: LLMEngine, max_steps: int = 100_000) -> None:
+def run_all(engine: LLMEngine, max_steps: int = 100_000) -> dict:
+    """Step until every request is done; returns each request's final output by id."""
+    final = {}
     for _ in range(max_steps):
         if not engine.has_unfinished():
-            return
-        engine.step()
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
         engine.clock.advance(0.01)
     raise AssertionError("requests did not finish")
 
@@ -119,7 +123,7 @@ def test_static_batch_keeps_finished_slots_until_the_batch_ends():
     run_all(engine)
     first_batch = ex.steps[:max(lengths)]
     assert all(len(s.chunks) == 4 for s in first_batch), "every slot is computed until the batch ends"
-    assert "next" not in {c.request.request_id for s in first_batch for c in s.chunks}
+    assert "next" not in {c.request_id for s in first_batch for c in s.chunks}
     padding = sum(s.num_padding_tokens for s in first_batch)
     assert padding == sum(max(lengths) - n for n in lengths)
     assert engine.kv.pool.num_free == 256
@@ -221,19 +225,20 @@ def test_stop_string_spanning_tokens_truncates_text(stop, expected):
     def fixed(out):  # token i of the output is i: the text is "ab c d ef"
         res = FakeExecutor.execute(ex, out)
         for rid in res.sampled:
-            res.sampled[rid] = engine.scheduler.requests[rid].num_output_tokens
+            res.sampled[rid] = [engine.scheduler.requests[rid].num_output_tokens]
         return res
 
     engine.executor.execute = fixed
-    req = Request("s", [1, 2, 3], SamplingParams(max_tokens=6, stop=[stop], ignore_eos=True), arrival_time=0.0,
-                  detokenizer=CharDetokenizer(pieces))
+    req = Request("s", [1, 2, 3], SamplingParams(max_tokens=6, stop=[stop], ignore_eos=True), arrival_time=0.0)
     engine.scheduler.add_request(req)
-    run_all(engine)
+    engine.output_processor.add_request(req, None)
+    engine.output_processor.states["s"].detokenizer = CharDetokenizer(pieces)
+    output_text = run_all(engine)["s"].outputs[0].text
     if expected is None:
-        assert req.status.finish_reason == "length" and req.output_text == "ab c d ef"
+        assert req.status.finish_reason == "length" and output_text == "ab c d ef"
     else:
         assert req.status.finish_reason == "stop" and req.stop_reason == stop
-        assert req.output_text == expected
+        assert output_text == expected
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on():

@@ -298,7 +298,8 @@ class FailOnToken:
             setattr(self, name, getattr(inner, name))
 
     def execute(self, out):
-        if any(13 in c.request.prompt_token_ids for c in out.chunks):
+        self.inner.states.apply(out)  # once per step: the inner executor's own call skips it
+        if any(13 in self.inner.states[c.request_id].prompt_token_ids for c in out.chunks):
             raise RuntimeError("injected fault")
         return self.inner.execute(out)
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferry import SamplingParams
-from ferry.core.request import Request
+from ferry.core.outputs import ScheduledChunk
+from ferry.executor.request_state import CachedRequest
 from ferry.core.sampling_params import StructuredOutputs as SO
 from ferry.executor.sampler import Sampler
 from ferry.executor.structured import GrammarCompiler
@@ -241,16 +242,18 @@ def test_retried_step_samples_the_same_token(llm):
     must not have moved on."""
     sampler = Sampler(grammars=llm.engine.executor.grammars)
     sp = SamplingParams(temperature=0, structured_outputs=SO(regex="[a-z]{3}[0-9]{3}"))
-    req = Request("r", [1, 2, 3], sp, 0.0, eos_token_ids=tuple(llm.engine.eos_token_ids))
+    req = CachedRequest("r", [1, 2, 3], sp, eos_token_ids=tuple(llm.engine.eos_token_ids))
     logits = torch.randn(1, llm.engine.executor.vocab_size, generator=torch.Generator().manual_seed(0))
     text = ""
     for _ in range(8):
-        first, _ = sampler.sample(logits, [req])
-        again, _ = sampler.sample(logits, [req])  # the retry
+        chunk = ScheduledChunk("r", start=len(req.all_token_ids) - 1, num_tokens=1, new_block_ids=[], samples=True)
+        first, _ = sampler.sample(logits, [(req, chunk)])
+        again, _ = sampler.sample(logits, [(req, chunk)])  # the retry
         assert first == again
-        req.append_output_token(first[0])
+        req.output_token_ids += first["r"]
+        req.all_token_ids += first["r"]
         text = llm.tokenizer.decode(req.output_token_ids)
-        if first[0] in req.eos_token_ids:
+        if first["r"][0] in req.eos_token_ids:
             break
     assert re.fullmatch("[a-z]{3}[0-9]{3}", text), text
 

@@ -1,5 +1,8 @@
-"""Block tables: which KV blocks hold which request's tokens."""
+"""Block tables: which KV blocks hold which request's tokens, and the prefix cache over them."""
 from __future__ import annotations
+
+import hashlib
+from array import array
 
 from ferry.core.block_pool import BlockPool
 from ferry.core.request import Request
@@ -9,15 +12,33 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class KVCacheManager:
-    """Gives each request the blocks its computed tokens need, and takes them back."""
+def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """A full block's identity: its tokens, everything before them (through ``parent``, the
+    previous block's hash) and ``extra`` (anything else that changes the KV, e.g. an adapter).
+    A cryptographic hash, so one tenant cannot craft a prompt that collides with another's."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class KVCacheManager:
+    """Gives each request the blocks its computed tokens need, and takes them back.
+
+    With ``enable_caching``, a request's full computed blocks are registered by hash chain
+    (``cache_blocks``) and a new request starts from its longest cached run of full blocks
+    (``find_cached``): those tokens need no compute.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.enable_caching = enable_caching
+        self.num_queried_tokens = 0  # prompt tokens looked up in the cache
+        self.num_hit_tokens = 0  # of those, found there
 
     @property
     def num_blocks(self) -> int:
@@ -27,26 +48,83 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    def _hashes(self, req: Request) -> list[bytes]:
+        """The hash chain of ``req``'s full blocks of known tokens, extended as tokens arrive."""
+        hashes, bs, tokens = req.block_hashes, self.block_size, req.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else b"", tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def find_cached(self, req: Request) -> list[int]:
+        """The blocks of ``req``'s longest cached prefix, at most ``num_tokens - 1`` tokens: the last
+        token is always computed, as its logits give the next token. Takes nothing. A request
+        that asks for prompt logprobs needs every prompt position's logits: it reuses nothing."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return []
+        found = []
+        for h in self._hashes(req)[:(req.num_tokens - 1) // self.block_size]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: list[int] | None = None) -> list[int] | None:
         """Make room for ``num_new_tokens`` more computed tokens of ``request``.
 
-        Takes only the blocks those tokens need. Returns the newly taken block ids
-        (possibly empty), or None, taking nothing, when the pool cannot give them.
+        ``cached``: blocks from ``find_cached`` the request starts with (its table must be
+        empty; they count as computed once this succeeds). Takes only the blocks those tokens
+        need. Returns the newly taken block ids (possibly empty), or None, taking nothing,
+        when the pool cannot give them.
         """
         table = self.block_tables.setdefault(request.request_id, [])
-        needed = blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
-        if needed <= 0:
-            return []
-        new = self.pool.take(needed)
-        if new is None:
+        cached = cached or []
+        computed = request.num_computed_tokens + len(cached) * self.block_size
+        needed = blocks_for(computed + num_new_tokens, self.block_size) - len(table) - len(cached)
+        # Cached blocks nobody holds are counted free: reusing them takes them from the pool too.
+        reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
+        if needed + reclaimed > self.pool.num_free:
             if not table:
                 del self.block_tables[request.request_id]
             return None
+        if cached:
+            assert not table and request.num_computed_tokens == 0
+            self.pool.touch(cached)
+            table.extend(cached)
+        new = self.pool.take(needed) if needed > 0 else []
+        assert new is not None
         table.extend(new)
         return new
 
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's cache lookup (``ferry:prefix_cache_*`` metrics)."""
+        if self.enable_caching:
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += num_hit_tokens
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register ``request``'s full blocks whose KV is now computed (after a successful step)."""
+        if not self.enable_caching:
+            return
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        if full <= request.num_cached_blocks:
+            return
+        hashes = self._hashes(request)
+        for i in range(request.num_cached_blocks, full):
+            self.pool.cache(table[i], hashes[i])
+        request.num_cached_blocks = full
+
     def free(self, request: Request) -> None:
-        """Return all of ``request``'s blocks to the pool (finish, abort or preemption)."""
+        """Drop ``request``'s references to its blocks (finish, abort or preemption)."""
         table = self.block_tables.pop(request.request_id, None)
+        request.num_cached_blocks = 0
         if table:
             self.pool.give_back(table)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (for benchmarks and tests). Returns how many blocks it held."""
+        return self.pool.reset_cache()

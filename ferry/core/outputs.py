@@ -1,42 +1,74 @@
-"""What flows between scheduler and executor each step."""
+"""What flows between scheduler and executor each step: plain data, no live requests.
+
+A request's token ids and sampling settings cross once, when it is first scheduled
+(``NewRequest``); after that each step names only ``(request id, start, num_tokens,
+new block ids)``. The executor keeps its own per-request state (tokens it sampled, block
+table, grammar matcher) between steps, so a step could run in another thread or process.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ferry.core.request import Request
+from ferry.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """A request the executor has not seen: sent with the first step that schedules it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` starting at position ``start``.
+    """``num_tokens`` tokens of request ``request_id`` starting at position ``start``.
 
-    ``samples`` is true when the chunk reaches the end of the request's known
-    tokens, so the step yields its next token. A padding chunk (static batching)
-    recomputes a finished request's last token: real work, discarded result.
+    ``new_block_ids`` extend the request's block table (after a preemption the table starts
+    again from empty). ``samples`` is true when the chunk reaches the end of the request's
+    known tokens, so the step yields its next token. ``spec_token_ids`` are draft tokens: the
+    chunk's last ``len(spec_token_ids)`` tokens, which the step verifies (each verified row
+    samples). ``decode`` marks the one-token-per-step phase (a verify included). A padding
+    chunk (static batching) recomputes a finished request's last token: real work, result
+    discarded, counted only in statistics.
     """
 
-    request: Request
+    request_id: str
     start: int
     num_tokens: int
-    block_ids: list[int]
+    new_block_ids: list[int]
     samples: bool
+    decode: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
     padding: bool = False
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's boarding list: ``{request_id: num_tokens}`` plus what the runner needs."""
+    """One step's boarding list: ``{request_id: num_tokens}`` plus what the executor needs."""
 
+    step_id: int = 0  # a retry of the same step (failure isolation) carries the same id
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    new_req_ids: list[str] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    # The executor forgets these requests' block tables; they come back with new blocks.
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Finished since the previous step (by stop, length or abort): the runner drops their state.
+    # Finished since the previous step (by stop, length or abort): the executor drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
     num_kv_blocks_used: int = 0
 
     @property
+    def new_req_ids(self) -> list[str]:
+        return [r.request_id for r in self.new_requests]
+
+    @property
     def num_scheduled_tokens(self) -> dict[str, int]:
-        return {c.request.request_id: c.num_tokens for c in self.chunks}
+        return {c.request_id: c.num_tokens for c in self.chunks}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -53,10 +85,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token per request that sampled this step (and its top logprobs if asked)."""
+    """Per request that sampled this step: its new tokens (one, or with speculation the accepted
+    drafts plus one), and their top logprobs if asked."""
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # Requests whose computation failed this step: request_id -> error message.
     errors: dict[str, str] = field(default_factory=dict)
     # Prompt logprobs computed this step: request_id -> (index of the first prompt token they

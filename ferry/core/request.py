@@ -1,14 +1,15 @@
-"""One request's state as it moves through the engine.
+"""One request's token-level state, as the scheduler sees it.
 
 Progress is a single counter, ``num_computed_tokens``, that chases ``num_tokens``
-(prompt plus the tokens generated so far). A prefill chunk, a decode and a
-recompute after preemption are all "advance this counter by N".
+(prompt plus the tokens generated so far). A prefill chunk, a decode, a
+recompute after preemption, a prefix-cache hit and a speculative verify are all
+"advance this counter by N". Text, stop strings and logprobs are the engine's
+output processor's (``ferry.engine.output_processor``): the core never sees them.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ferry.core.sampling_params import SamplingParams
 
@@ -31,12 +32,6 @@ class RequestStatus(enum.Enum):
         self.finished = finish_reason is not None
 
 
-class Detokenizer(Protocol):
-    """Turns appended token ids into text incrementally (the engine supplies one)."""
-
-    def append(self, token_id: int) -> str: ...
-
-
 @dataclass
 class RequestTimes:
     """Timestamps from the engine's clock (seconds)."""
@@ -56,9 +51,7 @@ class Request:
     arrival_time: float
     eos_token_ids: tuple[int, ...] = ()  # any of them ends the request (unless ignore_eos)
     priority: int = 0
-    max_tokens: int = 16  # resolved from sampling_params by the engine
-    prompt: str | None = None
-    detokenizer: Detokenizer | None = None
+    max_tokens: int = 16  # resolved from sampling_params by the scheduler
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -66,19 +59,23 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0  # tokens whose KV was computed, dropped by preemption, computed again
-    output_text: str = ""
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    # A stop token id, a stop string (set through the scheduler's finish path by the output
+    # processor) or an error message.
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    # One entry per prompt token once prefilled, when asked for; the first token has none.
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     times: RequestTimes = field(init=False)
     # Set once by the scheduler: monotonically increasing arrival sequence, breaks ties.
     seq: int = 0
+    # Prefix caching: the hash chain of the full blocks of known tokens (filled lazily by the
+    # KV cache manager), and how many of the request's blocks it has registered in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_blocks_sent: int = 0  # how much of its block table the executor has been told
+    # Speculative decoding: the draft tokens of the step in flight.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs.append(None)
         self.times = RequestTimes(arrival=self.arrival_time)
 
     @property

@@ -6,6 +6,11 @@ of chunked prefill. Then waiting requests board with whatever budget is left.
 When the KV cache runs out of blocks, the last-arrived running request is
 preempted (recompute: its blocks go back and its progress resets to 0), and no
 new request boards in that step.
+
+Prefix caching and speculative decoding are the same counter moving differently:
+a request boards with ``num_computed_tokens`` already past its longest cached
+prefix, and a decoding request with drafts boards with ``1 + k`` tokens, of which
+only the accepted ones stay computed.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from typing import Callable
 
 from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager, blocks_for
-from ferry.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from ferry.core.ngram import propose_ngram
+from ferry.core.outputs import ModelRunnerOutput, NewRequest, ScheduledChunk, SchedulerOutput
 from ferry.core.queues import make_queue
 from ferry.core.request import Request, RequestStatus
 
@@ -32,9 +38,15 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.spec = config.speculative_config
         self.num_preemptions = 0
+        self.num_drafts = 0  # verify steps with drafts, summed over requests
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self._finished_since_last_step: list[str] = []
+        self._in_flight: dict[str, Request] = {}  # the requests of the step being run
         self._seq = 0
+        self._step_id = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
@@ -74,7 +86,10 @@ class Scheduler:
             raise KeyError(f"cannot abort request {request_id!r}: no such unfinished request")
         self.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
+    def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End ``req`` with ``status`` (the one way out: stops, errors, aborts) and free its blocks."""
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
         if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         elif req in self.running:
@@ -82,6 +97,7 @@ class Scheduler:
         req.status = status
         req.times.finished = self.clock()
         self.kv.free(req)
+        req.spec_token_ids = []
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)
 
@@ -100,7 +116,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's boarding list."""
         budget = self.budget
-        out = SchedulerOutput(finished_req_ids=self._take_finished())
+        self._step_id += 1
+        out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._take_finished())
         scheduled: dict[str, int] = {}
 
         # First priority: keep the running requests moving.
@@ -110,7 +127,13 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num = min(req.num_tokens - req.num_computed_tokens, budget)
+            req.spec_token_ids = self._draft(req, budget) if num == req.num_tokens - req.num_computed_tokens == 1 else []
+            num += len(req.spec_token_ids)
             while self.kv.allocate_slots(req, num) is None:
+                if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                    num -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = max(self.running, key=self._victim_key)
                 budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim)
@@ -123,24 +146,31 @@ class Scheduler:
 
         # Second priority: board waiting requests with what budget is left,
         # unless this step had to preempt (memory is short; let it drain).
+        # A request starts past its longest cached prefix: those tokens need no compute.
         if not out.preempted_req_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
-                need = req.num_tokens - req.num_computed_tokens
+                cached = self.kv.find_cached(req)
+                num_cached = len(cached) * self.kv.block_size
+                need = req.num_tokens - num_cached
                 if not self.config.enable_chunked_prefill and need > budget:
                     break
                 num = min(need, budget)
-                if self.kv.allocate_slots(req, num) is None:
+                if self.kv.allocate_slots(req, num, cached) is None:
                     break
+                self.kv.record_lookup(req, num_cached)
+                req.num_computed_tokens = num_cached
                 self.waiting.pop()
                 if req.times.first_scheduled is None:
                     req.times.first_scheduled = self.clock()
-                    out.new_req_ids.append(req.request_id)
+                    req.num_cached_tokens = num_cached
+                    out.new_requests.append(self._new_request(req))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled[req.request_id] = num
                 budget -= num
 
+        self._in_flight = {}
         for req in self.running:
             num = scheduled.get(req.request_id)
             if num:
@@ -148,12 +178,34 @@ class Scheduler:
         out.num_kv_blocks_used = self.kv.pool.num_used
         return out
 
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: as many as the budget, max_tokens and max_model_len
+        leave room for. None for requests whose next-token rule depends on the tokens before it
+        in ways the verify step does not replay (penalties, grammars)."""
+        spec, sp = self.spec, req.sampling_params
+        if spec is None or sp.has_penalties or sp.structured_outputs is not None:
+            return []
+        k = min(spec.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _new_request(self, req: Request) -> NewRequest:
+        return NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids)
+
     def _advance(self, req: Request, num: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         req.num_computed_tokens += num
-        return ScheduledChunk(request=req, start=start, num_tokens=num,
-                              block_ids=self.kv.block_tables[req.request_id],
-                              samples=req.num_computed_tokens == req.num_tokens)
+        table = self.kv.block_tables[req.request_id]
+        new_block_ids = table[req.num_blocks_sent:]
+        req.num_blocks_sent = len(table)
+        self._in_flight[req.request_id] = req
+        return ScheduledChunk(request_id=req.request_id, start=start, num_tokens=num,
+                              new_block_ids=new_block_ids,
+                              samples=req.num_computed_tokens >= req.num_tokens,
+                              decode=start >= req.num_prompt_tokens and num == 1 + len(req.spec_token_ids),
+                              spec_token_ids=req.spec_token_ids)
 
     def _victim_key(self, req: Request) -> tuple:
         # The last-arrived goes first; under "priority", the least urgent first.
@@ -167,6 +219,8 @@ class Scheduler:
         self.kv.free(req)
         req.num_recomputed_tokens += req.num_computed_tokens  # work that will be done again
         req.num_computed_tokens = 0
+        req.num_blocks_sent = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -176,46 +230,56 @@ class Scheduler:
         done, self._finished_since_last_step = self._finished_since_last_step, []
         return done
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix. Returns how many blocks the cache held."""
+        return self.kv.reset_prefix_cache()
+
     # ------------------------------------------------------------------ after the step
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, check stop conditions, free finished requests.
+        """Append sampled tokens, check token-level stops, free finished requests.
 
-        Returns the requests that got a new token or finished in this step.
+        Returns the requests that got new tokens or finished in this step. With drafts, only
+        the accepted tokens' KV stays computed; the rejected slots are overwritten later.
         """
         now = self.clock()
         changed: list[Request] = []
         for chunk in out.chunks:
-            req = chunk.request
-            if req.is_finished or chunk.padding:
+            req = self._in_flight.get(chunk.request_id)
+            if req is None or req.is_finished or chunk.padding:
                 continue  # aborted while the step ran, or static-batch padding
             rid = req.request_id
             if rid in result.errors:
-                req.stop_reason = result.errors[rid]
-                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                self.finish_request(req, RequestStatus.FINISHED_ERROR, result.errors[rid])
                 changed.append(req)
                 continue
-            if rid in result.prompt_logprobs:
-                first, entries = result.prompt_logprobs[rid]
-                # A chunk recomputed after preemption scores tokens already recorded: skip those.
-                req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
             if not chunk.samples:
+                self.kv.cache_blocks(req)
                 continue  # a prefill chunk short of the prompt's end: no token yet
-            token = result.sampled[rid]
-            req.append_output_token(token)
-            if req.times.first_token is None:
-                req.times.first_token = now
-            req.times.token_times.append(now)
-            if rid in result.logprobs:
-                req.logprobs.append(result.logprobs[rid])
-            delta = req.detokenizer.append(token) if req.detokenizer is not None else ""
-            req.output_text += delta
-            status = self._check_stop(req, token, len(delta))
+            tokens = result.sampled[rid]
+            if chunk.spec_token_ids:
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= len(chunk.spec_token_ids) - accepted
+                self.num_drafts += 1
+                self.num_draft_tokens += len(chunk.spec_token_ids)
+                self.num_accepted_tokens += accepted
+            req.spec_token_ids = []
+            status = None
+            for token in tokens:
+                req.append_output_token(token)
+                if req.times.first_token is None:
+                    req.times.first_token = now
+                req.times.token_times.append(now)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break  # later accepted drafts are dropped
+            self.kv.cache_blocks(req)  # before a finish frees them: a finished prefix is reusable
             if status is not None:
                 self.finish_request(req, status)
             changed.append(req)
         return changed
 
-    def _check_stop(self, req: Request, token: int, new_chars: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """Token-level stops; stop strings are the output processor's (it sees the text)."""
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens:
             if token in req.eos_token_ids and not sp.ignore_eos:
@@ -223,27 +287,6 @@ class Scheduler:
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-            if sp.stop and self._truncate_at_stop_string(req, new_chars):
-                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    @staticmethod
-    def _truncate_at_stop_string(req: Request, new_chars: int) -> bool:
-        sp = req.sampling_params
-        # Only a match that ends in the new text is new: search the new text plus one stop string back.
-        window = max(len(s) for s in sp.stop) - 1 + new_chars
-        text = req.output_text
-        lo = max(0, len(text) - window)
-        best = None
-        for s in sp.stop:
-            i = text.find(s, lo)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return False
-        i, s = best
-        req.output_text = text[: i + len(s)] if sp.include_stop_str_in_output else text[:i]
-        req.stop_reason = s
-        return True

@@ -6,6 +6,7 @@ worst case (prompt + max_tokens), as a padded static batch holds its memory.
 A request that finishes early keeps its slot: every later step recomputes its
 last token (real work, result discarded) until the whole batch is done. Those
 slot-steps are the waste the seed talks about, counted as padding tokens.
+It never reuses cached prefixes nor speculates: it is the baseline without them.
 """
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ class StaticScheduler(Scheduler):
         self.batch: list[Request] = []
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._take_finished())
+        self._step_id += 1
+        out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._take_finished())
         if not self.batch:
             self._admit_batch(out)
+        self._in_flight = {}
         for req in self.batch:
             if req.is_finished:  # padding: recompute the last computed token, discard it
                 out.chunks.append(ScheduledChunk(
-                    request=req, start=req.num_computed_tokens - 1, num_tokens=1,
-                    block_ids=self.kv.block_tables[req.request_id], samples=False, padding=True))
+                    request_id=req.request_id, start=req.num_computed_tokens - 1, num_tokens=1,
+                    new_block_ids=[], samples=False, padding=True))
             else:
                 out.chunks.append(self._advance(req, req.num_tokens - req.num_computed_tokens))
         out.num_kv_blocks_used = self.kv.pool.num_used
@@ -44,24 +47,27 @@ class StaticScheduler(Scheduler):
             self.waiting.pop()
             req.times.first_scheduled = self.clock()
             req.status = RequestStatus.RUNNING
-            out.new_req_ids.append(req.request_id)
+            out.new_requests.append(self._new_request(req))
             self.running.append(req)
             self.batch.append(req)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
+    def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         if status is RequestStatus.FINISHED_ABORTED or req not in self.batch:
             if req in self.batch:
                 self.batch.remove(req)
-            super().finish_request(req, status)
+            super().finish_request(req, status, stop_reason)
         else:
-            # Finished inside a batch: done for the user, but its slot (and blocks) stay.
+            # Finished inside a batch: done for the user, but its slot (and blocks, and the
+            # executor's state for the padding steps) stay until the batch ends.
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
             self.running.remove(req)
             req.status = status
             req.times.finished = self.clock()
             del self.requests[req.request_id]
-            self._finished_since_last_step.append(req.request_id)
         # Checked on every finish, aborts included: an abort can end a batch whose others are done.
         if self.batch and all(r.is_finished for r in self.batch):
             for r in self.batch:
                 self.kv.free(r)
+                self._finished_since_last_step.append(r.request_id)
             self.batch = []

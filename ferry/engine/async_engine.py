@@ -141,6 +141,14 @@ class AsyncEngine:
         self.wake.set()
         return len(outputs)
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix between two steps. Returns how many blocks it held."""
+        def reset() -> int:
+            with self.lock:
+                return self.engine.reset_prefix_cache()
+
+        return await asyncio.to_thread(reset)
+
     def num_unfinished(self) -> int:
         with self.lock:
             return len(self.engine.scheduler.requests)

@@ -15,7 +15,7 @@ from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
 from ferry.core.static_scheduler import StaticScheduler
 from ferry.engine.clock import WallClock
-from ferry.engine.detokenizer import IncrementalDetokenizer
+from ferry.engine.output_processor import OutputProcessor
 from ferry.engine.outputs import RequestOutput
 from ferry.engine.profiler import StepProfiler, no_tick, step_shape
 from ferry.engine.step_stats import StepStats
@@ -43,9 +43,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock or WallClock()
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size,
+                                 enable_caching=config.enable_prefix_caching and config.scheduler == "continuous")
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, self.clock)
+        self.output_processor = OutputProcessor(self.scheduler, tokenizer)
         # The latest steps only: an engine may run for ever. A benchmark that wants every step
         # of a run puts a list here first.
         self.step_stats: MutableSequence[StepStats] = deque(maxlen=STEP_STATS_KEPT)
@@ -68,7 +70,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0, prompt_text: str | None = None) -> Request:
-        """Queue one request. Raises ValueError (naming the problem) if it can never be served.
+        """Queue one request; returns its token-level state (the scheduler's). Raises ValueError
+        (naming the problem) if it can never be served.
 
         ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier
         (a server tokenizes outside the engine's lock, with ``tokenize``).
@@ -83,10 +86,9 @@ class LLMEngine:
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
             prompt_token_ids=token_ids, sampling_params=sp,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_ids=self.eos_token_ids, priority=priority, prompt=prompt_text,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-            if self.tokenizer is not None else None)
+            eos_token_ids=self.eos_token_ids, priority=priority)
         self.scheduler.add_request(req)
+        self.output_processor.add_request(req, prompt_text)
         return req
 
     def tokenize(self, text: str) -> list[int]:
@@ -126,7 +128,7 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         self.scheduler.abort_request(request_id)
         assert req is not None
-        return RequestOutput.from_request(req)
+        return self.output_processor.output(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -146,8 +148,8 @@ class LLMEngine:
         result = self._execute(out)
         changed = self.scheduler.update_from_output(out, result)
         tick("update")
-        stats = self._record_step(out, start)
-        outputs = [RequestOutput.from_request(r) for r in changed if r.is_finished or not finished_only]
+        stats = self._record_step(out, result, start)
+        outputs = self.output_processor.process(changed, result, finished_only)
         if prof is not None:
             tick("outputs")
             prof.finish(step_shape(stats.num_decode_tokens, stats.num_prefill_tokens + stats.num_padding_tokens))
@@ -195,23 +197,23 @@ class LLMEngine:
         return result
 
     def _fail(self, chunks: list[ScheduledChunk], e: Exception) -> ModelRunnerOutput:
-        rid = chunks[0].request.request_id
+        rid = chunks[0].request_id
         log.error("request %s failed: its step raised %s: %s", rid, type(e).__name__, e,
                   exc_info=(type(e), e, e.__traceback__))
         self.num_failed_requests += 1
         return ModelRunnerOutput(errors={rid: f"{type(e).__name__}: {e}"})
 
-    def _record_step(self, out: SchedulerOutput, start: float) -> StepStats:
+    def _record_step(self, out: SchedulerOutput, result: ModelRunnerOutput, start: float) -> StepStats:
         kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}
         tokens = dict.fromkeys(kinds, 0)
+        drafts = draft_tokens = accepted = 0
         for c in out.chunks:
-            if c.padding:
-                kind = "padding"
-            elif c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
-                kind = "decode"
-            else:
-                kind = "prefill"
-            kinds[kind].append(c.request.request_id)
+            if c.spec_token_ids and c.request_id in result.sampled:
+                drafts += 1
+                draft_tokens += len(c.spec_token_ids)
+                accepted += len(result.sampled[c.request_id]) - 1
+            kind = "padding" if c.padding else "decode" if c.decode else "prefill"
+            kinds[kind].append(c.request_id)
             tokens[kind] += c.num_tokens
         stats = StepStats(
             start=start, duration=self.clock() - start, num_prefill_tokens=tokens["prefill"],
@@ -219,7 +221,8 @@ class LLMEngine:
             num_requests=len(out.chunks), num_kv_blocks_used=out.num_kv_blocks_used,
             num_preempted=len(out.preempted_req_ids), prefill_ids=tuple(kinds["prefill"]),
             decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
-            preempted_ids=tuple(out.preempted_req_ids))
+            preempted_ids=tuple(out.preempted_req_ids), num_drafts=drafts, num_draft_tokens=draft_tokens,
+            num_accepted_tokens=accepted)
         self.step_stats.append(stats)
         return stats
 
@@ -235,4 +238,8 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (benchmarks and tests start cold). Returns the blocks it held."""
+        return self.scheduler.reset_prefix_cache()
 

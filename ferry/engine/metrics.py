@@ -41,6 +41,10 @@ class RunMetrics:
     num_computed_tokens: int = 0  # every token slot computed, padding and recompute included
     num_padding_tokens: int = 0  # static batching: idle slot-steps spent on finished requests
     num_recomputed_tokens: int = 0  # computed again after a preemption dropped them
+    num_cached_tokens: int = 0  # prompt tokens of completed requests found in the prefix cache
+    num_drafts: int = 0  # speculative verify chunks
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     mean_kv_usage: float | None = None  # fraction of KV blocks in use, averaged over steps
     max_kv_usage: float | None = None
     samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
@@ -74,6 +78,22 @@ class RunMetrics:
         total = self.total_output_tokens + self.num_padding_tokens
         return self.total_output_tokens / total if total else None
 
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens taken from the prefix cache / prompt tokens (completed requests)."""
+        return self.num_cached_tokens / self.total_input_tokens if self.total_input_tokens else None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None without drafts."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a verify step yields on average: 1 + accepted drafts per verify (vLLM's mean
+        acceptance length); None without drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
     def stat(self, name: str, kind: str) -> float | None:
         """``kind`` is mean, median, max or pNN; ``name`` one of LATENCIES. Seconds."""
         values = self.samples.get(name, [])
@@ -105,7 +125,11 @@ class RunMetrics:
                  generation_slot_utilization=self.generation_slot_utilization, num_steps=self.num_steps,
                  num_computed_tokens=self.num_computed_tokens, num_padding_tokens=self.num_padding_tokens,
                  num_recomputed_tokens=self.num_recomputed_tokens, mean_kv_usage=self.mean_kv_usage,
-                 max_kv_usage=self.max_kv_usage)
+                 max_kv_usage=self.max_kv_usage, num_cached_tokens=self.num_cached_tokens,
+                 prefix_cache_hit_rate=self.prefix_cache_hit_rate, num_drafts=self.num_drafts,
+                 num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
+                 spec_acceptance_rate=self.spec_acceptance_rate,
+                 spec_mean_accepted_length=self.spec_mean_accepted_length)
         return d
 
     def lines(self) -> list[str]:
@@ -136,7 +160,12 @@ class RunMetrics:
             f"{self.num_recomputed_tokens} recomputed of {self.num_computed_tokens} token slots)",
             f"{'generation slot util.':<28}{pct(self.generation_slot_utilization)}",
             f"{'KV usage mean / max':<28}{pct(self.mean_kv_usage)} / {pct(self.max_kv_usage)}",
+            f"{'prefix cache hit rate':<28}{pct(self.prefix_cache_hit_rate)} ({self.num_cached_tokens} of "
+            f"{self.total_input_tokens} prompt tokens)",
         ]
+        if self.num_drafts:
+            out.append(f"{'spec. decoding':<28}{pct(self.spec_acceptance_rate)} of {self.num_draft_tokens} drafts "
+                       f"accepted, {self.spec_mean_accepted_length:.2f} tokens per verify")
         return out
 
 
@@ -166,5 +195,8 @@ def summarize(outputs: list[RequestOutput], duration: float, steps: list[StepSta
         num_computed_tokens=sum(s.num_tokens for s in steps),
         num_padding_tokens=sum(s.num_padding_tokens for s in steps),
         num_recomputed_tokens=sum(m.num_recomputed_tokens for m in every),
+        num_cached_tokens=sum(m.num_cached_tokens for m in metrics),
+        num_drafts=sum(s.num_drafts for s in steps), num_draft_tokens=sum(s.num_draft_tokens for s in steps),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in steps),
         mean_kv_usage=fmean(usage) if usage else None, max_kv_usage=max(usage) if usage else None,
         samples=samples)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ferry.core.request import Request
-
 
 @dataclass
 class RequestMetrics:
@@ -17,6 +15,7 @@ class RequestMetrics:
     token_times: list[float]  # when each output token was produced
     num_preemptions: int
     num_recomputed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
 
     @property
     def ttft(self) -> float | None:
@@ -68,23 +67,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Per prompt token once prefilled (None for the first), when asked for with prompt_logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-
-    @classmethod
-    def from_request(cls, req: Request, index: int = 0) -> "RequestOutput":
-        t = req.times
-        return cls(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(
-                index=index, text=req.output_text, token_ids=list(req.output_token_ids),
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None)],
-            finished=req.is_finished,
-            # Only with the first token and the last output: a long prompt's list is not copied every step.
-            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None
-            and (req.num_output_tokens <= 1 or req.is_finished) else None,
-            metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished,
-                                   list(t.token_times), req.num_preemptions,
-                                   req.num_recomputed_tokens),
-        )
+    # Tokens this output adds to the previous one (with speculation a step may add several).
+    num_new_tokens: int = 0

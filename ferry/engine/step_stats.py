@@ -14,6 +14,10 @@ class StepStats:
     num_requests: int
     num_kv_blocks_used: int
     num_preempted: int
+    # Speculative decoding: verify chunks, their draft tokens, and how many were accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Who was in the step and how: the request timeline is drawn from these.
     prefill_ids: tuple[str, ...] = field(default=(), repr=False)
     decode_ids: tuple[str, ...] = field(default=(), repr=False)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ferry.core.outputs import ScheduledChunk
+from ferry.executor.request_state import CachedRequest, RequestStates
 from ferry.model.attention import AttentionMetadata, PrefillSpan
 
 
@@ -21,9 +22,10 @@ class PackedBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
-    sampling_chunks: list[ScheduledChunk]  # one per sampling row, same order
-    # Chunks that score prompt tokens: (chunk, index of the first token scored, how many).
-    prompt_spans: list[tuple[ScheduledChunk, int, int]]
+    # Requests that sample, in row order, each with its chunk (1 + len(spec_token_ids) rows).
+    sampling: list[tuple[CachedRequest, ScheduledChunk]]
+    # Requests that score prompt tokens: (request, index of the first token scored, how many).
+    prompt_spans: list[tuple[CachedRequest, int, int]]
 
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -31,14 +33,21 @@ def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.n
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
+def _token_ids(r: CachedRequest, c: ScheduledChunk) -> list[int]:
+    """A chunk's input tokens: known ones, then its drafts."""
+    known = r.all_token_ids[c.start:c.start + c.num_tokens - len(c.spec_token_ids)]
+    return known + c.spec_token_ids if c.spec_token_ids else known
+
+
+def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -> PackedBatch:
     decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
     prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
     ordered = decodes + prefills
+    reqs = {c.request_id: states[c.request_id] for c in chunks}
 
-    ids: list[int] = [c.request.all_token_ids[c.start] for c in decodes]
+    ids: list[int] = [reqs[c.request_id].all_token_ids[c.start] for c in decodes]
     for c in prefills:
-        ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
+        ids.extend(_token_ids(reqs[c.request_id], c))
     slot_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
 
@@ -46,10 +55,10 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
     decode_tables = decode_lens = None
     if nd:
         starts = np.fromiter((c.start for c in decodes), dtype=np.int64, count=nd)
-        max_blocks = max(len(c.block_ids) for c in decodes)
-        table = np.zeros((nd, max_blocks), dtype=np.int64)
-        for i, c in enumerate(decodes):
-            table[i, :len(c.block_ids)] = c.block_ids
+        tables = [reqs[c.request_id].block_ids for c in decodes]
+        table = np.zeros((nd, max(map(len, tables))), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
         decode_tables = torch.from_numpy(table)
         decode_lens = torch.from_numpy(starts + 1)
         slot_parts.append(table[np.arange(nd), starts // block_size] * block_size + starts % block_size)
@@ -58,36 +67,38 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
     spans: list[PrefillSpan] = []
     row = nd
     for c in prefills:
+        block_ids = reqs[c.request_id].block_ids
         pos = np.arange(c.start, c.start + c.num_tokens)
         span = PrefillSpan(q_start=row, q_len=c.num_tokens, ctx_len=c.start)
         if c.start > 0:
             all_pos = np.arange(c.start + c.num_tokens)
-            ctx_slots = _slots(c.block_ids, all_pos, block_size)
+            ctx_slots = _slots(block_ids, all_pos, block_size)
             slot_parts.append(ctx_slots[c.start:])
             span.ctx_slots = torch.from_numpy(ctx_slots)
             span.mask = torch.from_numpy(all_pos[None, :] <= pos[:, None])
         else:
-            slot_parts.append(_slots(c.block_ids, pos, block_size))
+            slot_parts.append(_slots(block_ids, pos, block_size))
         pos_parts.append(pos)
         spans.append(span)
         row += c.num_tokens
 
-    sampling: list[ScheduledChunk] = []
+    sampling: list[tuple[CachedRequest, ScheduledChunk]] = []
     logit_rows: list[int] = []
     prompt_rows: list[int] = []
-    prompt_spans: list[tuple[ScheduledChunk, int, int]] = []
+    prompt_spans: list[tuple[CachedRequest, int, int]] = []
     row = 0
     for c in ordered:
-        if c.request.sampling_params.prompt_logprobs is not None and not c.padding:
+        r = reqs[c.request_id]
+        if r.sampling_params.prompt_logprobs is not None and not c.padding:
             # Position p's logits score prompt token p + 1.
-            n = min(c.start + c.num_tokens, c.request.num_prompt_tokens - 1) - c.start
+            n = min(c.start + c.num_tokens, r.num_prompt_tokens - 1) - c.start
             if n > 0:
                 prompt_rows.extend(range(row, row + n))
-                prompt_spans.append((c, c.start + 1, n))
+                prompt_spans.append((r, c.start + 1, n))
         row += c.num_tokens
         if c.samples and not c.padding:
-            sampling.append(c)
-            logit_rows.append(row - 1)
+            sampling.append((r, c))
+            logit_rows.extend(range(row - c.num_sampling_rows, row))
 
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slot_parts)), num_decodes=nd,
@@ -96,4 +107,4 @@ def pack(chunks: list[ScheduledChunk], block_size: int) -> PackedBatch:
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),
         meta=meta, logits_indices=torch.tensor(logit_rows + prompt_rows, dtype=torch.long),
-        sampling_chunks=sampling, prompt_spans=prompt_spans)
+        sampling=sampling, prompt_spans=prompt_spans)

@@ -12,6 +12,7 @@ from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.profiler import StepProfiler, no_tick
 from ferry.executor.batch import pack
+from ferry.executor.request_state import RequestStates
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
@@ -80,6 +81,7 @@ class ModelExecutor:
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.seed, grammars=self.grammars)
+        self.states = RequestStates()
         self.tick: Callable[[str], None] = no_tick
         self.matmul_precision = config.fp32_matmul_precision
 
@@ -97,18 +99,17 @@ class ModelExecutor:
         # Process-wide in torch: set for every step, as another engine in this process may differ.
         torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
-        batch = pack(out.chunks, self.block_size)
+        self.states.apply(out)
+        batch = pack(out.chunks, self.states, self.block_size)
         self.tick("pack")
         logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                     batch.logits_indices)
         result = ModelRunnerOutput()
-        n = len(batch.sampling_chunks)
+        n = sum(c.num_sampling_rows for _, c in batch.sampling)
         if n:
-            reqs = [c.request for c in batch.sampling_chunks]
-            tokens, logprobs = self.sampler.sample(logits[:n], reqs)
-            result.sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
-            result.logprobs = logprobs
+            result.sampled, result.logprobs = self.sampler.sample(logits[:n], batch.sampling)
         if batch.prompt_spans:
             result.prompt_logprobs = prompt_logprobs(logits[n:], batch.prompt_spans)
+        self.states.append_tokens(result.sampled)
         self.tick("sample")
         return result

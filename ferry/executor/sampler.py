@@ -1,4 +1,5 @@
-"""Turn logits into next tokens: penalties, greedy or random sampling, logprobs."""
+"""Turn logits into next tokens: penalties, greedy or random sampling, logprobs, and the
+verification of speculative drafts."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -6,7 +7,7 @@ from collections import OrderedDict
 import torch
 
 from ferry.core.outputs import ScheduledChunk
-from ferry.core.request import Request
+from ferry.executor.request_state import CachedRequest
 from ferry.executor.structured import GrammarCompiler, RequestGrammar
 
 # Grammar matchers kept: past this the least recently used goes, and is rebuilt by replaying its
@@ -14,7 +15,7 @@ from ferry.executor.structured import GrammarCompiler, RequestGrammar
 MAX_GRAMMARS = 1024
 
 
-def apply_penalties(logits: torch.Tensor, req: Request) -> None:
+def apply_penalties(logits: torch.Tensor, req: CachedRequest) -> None:
     """In place on one row: repetition (prompt and output), presence and frequency (output)."""
     sp = req.sampling_params
     if sp.repetition_penalty != 1.0:
@@ -44,10 +45,22 @@ def _filter(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torc
 
 
 class Sampler:
-    """Samples one token per row.
+    """Samples one token per row, and accepts or rejects draft tokens.
 
     A seeded request's draw for its k-th output token comes from a generator seeded with
-    (seed, k) alone: the same tokens however its steps are batched, retried or preempted.
+    (seed, k) alone: the same tokens however its steps are batched, retried, preempted or
+    speculated.
+
+    Verification: a request with drafts d_1..d_k has k + 1 rows, row j giving the target's
+    distribution p_j after d_1..d_j. Each row draws its token t_j from p_j exactly as without
+    speculation (the same noise for the same output index); drafts are accepted while
+    t_j == d_{j+1}, and the first t_j that differs (or t_k when all are accepted) ends the step.
+    This is rejection sampling for a deterministic drafter: d is accepted with probability
+    p(d) = min(1, p(d) / q(d)) for q a point mass on d, and on rejection the token is drawn
+    from p restricted to tokens other than d, i.e. the normalised residual max(p - q, 0). So
+    every output token is distributed exactly as the target's, greedy outputs are the
+    target's argmax chain, and a seeded request gives the same tokens with speculation on
+    or off.
     """
 
     def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None) -> None:
@@ -55,7 +68,7 @@ class Sampler:
         self._seeded = torch.Generator()
         self.grammars = grammars
         # request id -> (the request, its matcher); the request too, so a reused id starts afresh.
-        self._matchers: OrderedDict[str, tuple[Request, RequestGrammar]] = OrderedDict()
+        self._matchers: OrderedDict[str, tuple[CachedRequest, RequestGrammar]] = OrderedDict()
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop per-request state (grammar matchers) of finished or aborted requests."""
@@ -63,7 +76,7 @@ class Sampler:
             for rid in request_ids:
                 self._matchers.pop(rid, None)
 
-    def _matcher(self, req: Request) -> RequestGrammar:
+    def _matcher(self, req: CachedRequest) -> RequestGrammar:
         entry = self._matchers.get(req.request_id)
         if entry is not None and entry[0] is req:
             self._matchers.move_to_end(req.request_id)
@@ -76,7 +89,7 @@ class Sampler:
             self._matchers.popitem(last=False)
         return g
 
-    def _apply_grammars(self, logits: torch.Tensor, raw: torch.Tensor, reqs: list[Request],
+    def _apply_grammars(self, logits: torch.Tensor, raw: torch.Tensor, reqs: list[CachedRequest],
                         rows: list[int]) -> list[RequestGrammar]:
         """Mask each structured row to the tokens its grammar allows next (greedy rows too)."""
         matchers = []
@@ -92,69 +105,94 @@ class Sampler:
             matchers.append(g)
         return matchers
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def _generator(self, req: CachedRequest, index: int) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self.generator
         # A 64-bit mix of (seed, token index): distinct streams for each token of each seed.
-        return self._seeded.manual_seed((seed * 0x9E3779B97F4A7C15 + req.num_output_tokens) % 2**64)
+        return self._seeded.manual_seed((seed * 0x9E3779B97F4A7C15 + index) % 2**64)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], dict[str, dict[int, float]]]:
-        """logits: [N, V] float32, one row per request. Returns tokens and requested logprobs."""
+    def sample(self, logits: torch.Tensor, sampling: list[tuple[CachedRequest, ScheduledChunk]]
+               ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
+        """logits: [N, V] float32, ``chunk.num_sampling_rows`` rows per request in order.
+        Returns each request's new tokens (accepted drafts, then one more) and their logprobs."""
         raw = logits
+        reqs: list[CachedRequest] = []  # per row
+        index: list[int] = []  # per row: the output token index it draws
+        for r, c in sampling:
+            for j in range(c.num_sampling_rows):
+                reqs.append(r)
+                index.append(r.num_output_tokens + j)
+        # Penalties and grammars depend on every earlier token: the scheduler drafts for neither,
+        # so their requests have one row here.
         guided = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs is not None]
         matchers: list[RequestGrammar] = []
         if guided or any(r.sampling_params.has_penalties or r.sampling_params.logit_bias
-                         or r.num_output_tokens < r.sampling_params.min_tokens for r in reqs):
+                         or k < r.sampling_params.min_tokens for r, k in zip(reqs, index)):
             logits = logits.clone()
-            for i, r in enumerate(reqs):
+            for i, (r, k) in enumerate(zip(reqs, index)):
                 sp = r.sampling_params
                 if sp.has_penalties:
                     apply_penalties(logits[i], r)
                 if sp.logit_bias:
                     ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
                     logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype)
-                if r.num_output_tokens < sp.min_tokens:
+                if k < sp.min_tokens:
                     banned = list(sp.stop_token_ids) + list(r.eos_token_ids)
                     if banned:
                         logits[i, banned] = float("-inf")
             if guided:
                 matchers = self._apply_grammars(logits, raw, reqs, guided)
         tokens = logits.argmax(dim=-1).tolist()
-        for i, r in enumerate(reqs):
+        for i, (r, k) in enumerate(zip(reqs, index)):
             sp = r.sampling_params
             if sp.greedy:
                 continue
             probs = torch.softmax(logits[i] / sp.temperature, dim=-1)
             probs = _filter(probs, sp.top_k, sp.top_p, sp.min_p)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
-            e = torch.empty_like(probs).exponential_(generator=self._generator(r))
+            e = torch.empty_like(probs).exponential_(generator=self._generator(r, k))
             tokens[i] = int((probs / e).argmax())
         for i, g in zip(guided, matchers):
             g.advance(tokens[i])
-        logprobs: dict[str, dict[int, float]] = {}
-        for i, r in enumerate(reqs):
+        new: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        row = 0
+        for r, c in sampling:
+            accepted = verify(c.spec_token_ids, tokens[row:row + c.num_sampling_rows])
+            new[r.request_id] = accepted
             n = r.sampling_params.logprobs
-            if n is None:
-                continue
-            lp = torch.log_softmax(raw[i], dim=-1)
-            entry = {tokens[i]: float(lp[tokens[i]])}
-            if n:
-                top = torch.topk(lp, n)
-                entry.update(zip(top.indices.tolist(), top.values.tolist()))
-            logprobs[r.request_id] = entry
-        return tokens, logprobs
+            if n is not None:
+                entries = []
+                for j, t in enumerate(accepted):
+                    lp = torch.log_softmax(raw[row + j], dim=-1)
+                    entry = {t: float(lp[t])}
+                    if n:
+                        top = torch.topk(lp, n)
+                        entry.update(zip(top.indices.tolist(), top.values.tolist()))
+                    entries.append(entry)
+                logprobs[r.request_id] = entries
+            row += c.num_sampling_rows
+        return new, logprobs
 
 
-def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[ScheduledChunk, int, int]]
+def verify(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a verify step yields: ``sampled[j]`` is the target's token after the first j
+    drafts; keep drafts while the target agrees, then the target's own next token."""
+    for j, d in enumerate(drafts):
+        if sampled[j] != d:
+            return sampled[:j + 1]
+    return sampled[:len(drafts) + 1]
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[CachedRequest, int, int]]
                     ) -> dict[str, tuple[int, list[dict[int, float]]]]:
     """Logprobs of prompt tokens from the rows that precede them (``spans`` as in PackedBatch):
     each token's own logprob plus the top ``prompt_logprobs`` alternatives."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     out: dict[str, tuple[int, list[dict[int, float]]]] = {}
     row = 0
-    for chunk, first, n in spans:
-        req = chunk.request
+    for req, first, n in spans:
         targets = req.prompt_token_ids[first:first + n]
         rows = lp[row:row + n]
         own = rows.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()

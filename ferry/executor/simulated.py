@@ -2,9 +2,13 @@
 
 Same interface as the model executor, so the one engine loop and scheduler run
 unchanged; no torch, no model. Every sampled token is 0: simulation runs use
-ignore_eos and fixed lengths, so the values never matter.
+ignore_eos and fixed lengths, so the values never matter. With speculative
+decoding each draft is accepted with probability ``acceptance_rate`` (a verify
+step costs its ``1 + k`` tokens whatever is accepted).
 """
 from __future__ import annotations
+
+import random
 
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
 from ferry.engine.clock import ManualClock
@@ -12,14 +16,28 @@ from ferry.sim.cost_model import CostModel
 
 
 class SimulatedExecutor:
-    def __init__(self, cost: CostModel, clock: ManualClock) -> None:
+    def __init__(self, cost: CostModel, clock: ManualClock, acceptance_rate: float = 0.5, seed: int = 0) -> None:
         self.cost = cost
         self.clock = clock
         self.vocab_size = cost.model.vocab_size
         self.tokenizer = None
         self.eos_token_ids = ()
+        self.acceptance_rate = acceptance_rate
+        self.rng = random.Random(seed)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = {c.request.request_id: 0 for c in out.chunks if c.samples and not c.padding}
-        self.clock.advance(self.cost.step_time(((c.num_tokens, c.start) for c in out.chunks), len(sampled)))
+        sampled = {}
+        rows = 0
+        for c in out.chunks:
+            if c.samples and not c.padding:
+                rows += c.num_sampling_rows
+                sampled[c.request_id] = [0] * (1 + self._accepted(len(c.spec_token_ids)))
+        self.clock.advance(self.cost.step_time(((c.num_tokens, c.start) for c in out.chunks), rows))
         return ModelRunnerOutput(sampled=sampled)
+
+    def _accepted(self, k: int) -> int:
+        """Drafts accepted: each in turn with probability ``acceptance_rate``, until one is not."""
+        n = 0
+        while n < k and self.rng.random() < self.acceptance_rate:
+            n += 1
+        return n

@@ -133,6 +133,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                            "not_found_error", param="model", code="model_not_found")
         return model_card()
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Forget every cached prefix (vLLM's endpoint of that name): benchmarks start cold."""
+        return {"num_blocks_freed": await engine.reset_prefix_cache()}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -403,15 +408,19 @@ def _sse(data: dict[str, Any]) -> str:
 class _Usage:
     def __init__(self) -> None:
         self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
         self.completion: dict[int, int] = {}
 
     def add(self, i: int, out: RequestOutput, n: int) -> None:
         self.prompt[i // n] = len(out.prompt_token_ids)  # a prompt counts once, whatever n
+        self.cached[i // n] = out.metrics.num_cached_tokens if out.metrics is not None else 0
         self.completion[i] = len(out.outputs[0].token_ids)
 
-    def dict(self) -> dict[str, int]:
+    def dict(self) -> dict[str, Any]:
         p, c = sum(self.prompt.values()), sum(self.completion.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        # OpenAI's field for prompt tokens served from the prefix cache.
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
 
 async def _collect(stream: Stream, raw: Request, view: View | None = None) -> list[RequestOutput]:

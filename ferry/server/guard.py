@@ -21,7 +21,7 @@ Send = Callable[[Message], Awaitable[None]]
 log = logging.getLogger("ferry.server")
 
 # Paths an API key guards: the API itself and the pages that describe it.
-PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json")
+PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json", "/reset_prefix_cache")
 
 
 async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,

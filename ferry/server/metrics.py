@@ -27,7 +27,27 @@ class ServerMetrics:
         gauge("ferry:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
               lambda: engine.kv.pool.num_used / engine.num_kv_blocks)
         gauge("ferry:num_kv_blocks_free", "KV cache blocks free.", lambda: engine.kv.pool.num_free)
+        gauge("ferry:spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far (0 without drafts).",
+              lambda: sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0)
+        gauge("ferry:spec_decode_mean_accepted_length", "Tokens per verify step so far: 1 + accepted drafts "
+              "per verify (0 without drafts).",
+              lambda: 1 + sched.num_accepted_tokens / sched.num_drafts if sched.num_drafts else 0.0)
         self.preemptions = Counter("ferry:num_preemptions", "Preemptions (recompute).", labels, registry=r).labels(model_name)
+
+        def engine_counter(name: str, doc: str, read) -> None:
+            # The engine counts; each step adds what it counted since the last one.
+            self._counters.append((Counter(name, doc, labels, registry=r).labels(model_name), read, [read()]))
+
+        self._counters: list = []
+        engine_counter("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       lambda: engine.kv.num_queried_tokens)
+        engine_counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
+                       lambda: engine.kv.num_hit_tokens)
+        engine_counter("ferry:spec_decode_num_drafts", "Verify steps with drafts (one per request per step).",
+                       lambda: sched.num_drafts)
+        engine_counter("ferry:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: sched.num_draft_tokens)
+        engine_counter("ferry:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                       lambda: sched.num_accepted_tokens)
         self.prompt_tokens = Counter("ferry:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("ferry:generation_tokens", "Generated tokens.", labels, registry=r).labels(model_name)
         self.finished = Counter("ferry:request_success", "Finished requests by reason.", labels + ["finished_reason"],
@@ -56,18 +76,26 @@ class ServerMetrics:
         if n > self._seen_preemptions:
             self.preemptions.inc(n - self._seen_preemptions)
             self._seen_preemptions = n
+        for counter, read, seen in self._counters:
+            now = read()
+            if now > seen[0]:
+                counter.inc(now - seen[0])
+            seen[0] = now  # a reset engine counter starts again from there
         for out in outputs:
             m, comp = out.metrics, out.outputs[0]
             assert m is not None
-            # A step's output carries exactly one new token, unless the step failed for it.
+            # A step's output carries its new tokens (several with speculation), unless it failed.
             if comp.finish_reason != "error":
-                self.generation_tokens.inc()
-                if len(comp.token_ids) == 1:
+                new = out.num_new_tokens
+                self.generation_tokens.inc(new)
+                first = len(comp.token_ids) - new  # tokens before this step
+                if first == 0 and new:
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     self.ttft.observe(m.ttft)
                     self.queue.observe(m.queue_time)
-                else:
-                    self.itl.observe(m.token_times[-1] - m.token_times[-2])
+                t = m.token_times
+                for i in range(max(first, 1), len(t)):
+                    self.itl.observe(t[i] - t[i - 1])
             else:
                 self.failures.inc()
             if out.finished:

@@ -17,7 +17,7 @@ def _factory(args: argparse.Namespace):
     from ferry.sim.models import load_model_config
 
     return SimEngineFactory(load_model_config(args.model or "smollm2-135m"), load_hardware(args.hardware),
-                            args.tensor_parallel_size, args.gpu_memory_utilization)
+                            args.tensor_parallel_size, args.gpu_memory_utilization, args.spec_acceptance_rate)
 
 
 def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -147,6 +147,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + KV cache (the rest is headroom)")
+    g.add_argument("--spec-acceptance-rate", type=float, default=0.5,
+                   help="with --speculative-config: the chance each draft token is accepted")
 
 
 def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],

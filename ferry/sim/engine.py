@@ -15,9 +15,13 @@ from ferry.sim.hardware import Hardware
 class SimEngineFactory:
     """Same ``engine(config)`` as the bench's EngineFactory; each engine gets its own clock at 0."""
 
-    def __init__(self, model: ModelConfig, hw: Hardware, tp: int = 1, gpu_memory_utilization: float = 0.9) -> None:
+    def __init__(self, model: ModelConfig, hw: Hardware, tp: int = 1, gpu_memory_utilization: float = 0.9,
+                 spec_acceptance_rate: float = 0.5) -> None:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if not 0 <= spec_acceptance_rate <= 1:
+            raise ValueError(f"spec_acceptance_rate must be in [0, 1], got {spec_acceptance_rate}")
+        self.spec_acceptance_rate = spec_acceptance_rate
         self.cost = CostModel(model, hw, tp)
         self.model, self.hw, self.tp = model, hw, tp
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -44,4 +48,4 @@ class SimEngineFactory:
             raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's "
                              f"max_position_embeddings ({self.model.max_position_embeddings})")
         clock = ManualClock()
-        return LLMEngine(config, SimulatedExecutor(self.cost, clock), self.num_kv_blocks(config), clock=clock)
+        return LLMEngine(config, SimulatedExecutor(self.cost, clock, self.spec_acceptance_rate), self.num_kv_blocks(config), clock=clock)
