@@ -144,7 +144,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     reqs = with_request_rate(workload_from_args(args), args.request_rate, args.seed)
     m = asyncio.run(run_against_server(args.base_url, reqs, args.model, args.api_key, args.max_concurrency,
-                                       progress=not args.no_progress))
+                                       progress=not args.no_progress, reset_prefix_cache=args.reset_prefix_cache))
     print("\n".join(m.lines()))
     if m.num_failed:
         print(f"{m.num_failed} requests failed")
@@ -214,6 +214,8 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--request-rate", type=parse_rate_arg, default=None,
                    help="requests/s, Poisson (seeded by --seed); inf = all at once; default: the workload's own")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--reset-prefix-cache", action="store_true",
+                   help="first ask the server to forget its cached prefixes (POST /reset_prefix_cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json")
     p.add_argument("--no-progress", action="store_true")

@@ -60,12 +60,14 @@ def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str 
                  progress: bool = True, extra: dict[str, Any] | None = None) -> BenchRun:
     """Submit each request at its ``arrival_time`` (seconds after the start), step until all finish.
 
-    Requests use greedy sampling with ignore_eos, so each yields exactly ``max_tokens``.
+    Requests use greedy sampling with ignore_eos, so each yields exactly ``max_tokens``. The
+    prefix cache is emptied first; requests of the run share prefixes with each other only.
     """
     clock = engine.clock
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     prefix = f"run{next(_RUNS)}-"  # ids unique across runs on one engine
     engine.step_stats = []  # every step of the run
+    engine.reset_prefix_cache()  # every run starts cold: repeated runs measure the same thing
     bar = None
     if progress:
         from tqdm import tqdm

@@ -28,7 +28,7 @@ async def _one(client: Any, url: str, model: str | None, req: WorkloadRequest, s
         await sem.acquire()
     arrival = time.perf_counter()
     times: list[float] = []
-    n_tokens, finish, text = 0, "error", ""
+    n_tokens, cached, finish, text = 0, 0, "error", ""
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -44,6 +44,7 @@ async def _one(client: Any, url: str, model: str | None, req: WorkloadRequest, s
                         break
                     if data.get("usage"):
                         n_tokens = data["usage"]["completion_tokens"]
+                        cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     for ch in data.get("choices", []):
                         if ch.get("text"):
                             times.append(time.perf_counter())
@@ -59,17 +60,21 @@ async def _one(client: Any, url: str, model: str | None, req: WorkloadRequest, s
     return RequestOutput(
         request_id="", prompt=None, prompt_token_ids=req.prompt_token_ids,
         outputs=[CompletionOutput(0, text, [0] * (n_tokens or len(times)), finish_reason=finish)], finished=True,
-        metrics=RequestMetrics(arrival, None, times[0] if times else None, end, times, 0))
+        metrics=RequestMetrics(arrival, None, times[0] if times else None, end, times, 0, num_cached_tokens=cached))
 
 
 async def run_against_server(base_url: str, requests: list[WorkloadRequest], model: str | None = None,
                              api_key: str | None = None, max_concurrency: int | None = None,
-                             progress: bool = True) -> RunMetrics:
-    """Send every request at its arrival_time; return the metrics measured on the client."""
+                             progress: bool = True, reset_prefix_cache: bool = False) -> RunMetrics:
+    """Send every request at its arrival_time; return the metrics measured on the client.
+    ``reset_prefix_cache``: first ask the server to forget its cached prefixes (a cold start)."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if reset_prefix_cache:
+        async with httpx.AsyncClient() as c:
+            (await c.post(base_url.rstrip("/") + "/reset_prefix_cache", headers=headers)).raise_for_status()
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=100)
     bar = None
