@@ -346,3 +346,29 @@ def test_bench_serve_reports_like_bench_online(srv, tmp_path):
     assert d["completed"] == 6 and d["total_output_tokens"] == 30
     assert d["mean_ttft_ms"] > 0 and d["p99_itl_ms"] > 0
     assert re.search(r"TTFT\s+[\d.]+", p.stdout)
+
+
+def test_prefix_cache_and_speculation_metrics_reset_and_cached_usage():
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    with server("--speculative-config", spec) as proc:
+        url = proc.url
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        prompt = "one two three four five, one two three four five, " * 8
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        # All full blocks but the one holding the last prompt token are reused.
+        assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
+        wait_idle(url)
+        assert metric(url, "ferry:prefix_cache_queries_total") == 2 * first.usage.prompt_tokens
+        assert metric(url, "ferry:prefix_cache_hits_total") == again.usage.prompt_tokens_details.cached_tokens
+        drafts, accepted = metric(url, "ferry:spec_decode_num_draft_tokens_total"), \
+            metric(url, "ferry:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= drafts and metric(url, "ferry:spec_decode_num_drafts_total") > 0
+        assert metric(url, "ferry:spec_decode_acceptance_rate") == pytest.approx(accepted / drafts)
+        assert metric(url, "ferry:generation_tokens_total") == 60
+        r = httpx.post(url + "/reset_prefix_cache")
+        assert r.status_code == 200 and r.json()["num_blocks_freed"] > 0
+        cold = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.choices[0].text == first.choices[0].text
