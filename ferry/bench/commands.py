@@ -77,7 +77,8 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
     runs = []
     for i in range(args.num_runs):
         run = run_workload(engine, reqs, label=label, progress=not args.no_progress,
-                           extra={"request_rate": "workload" if rate is None else rate})
+                           extra={"request_rate": "workload" if rate is None else rate},
+                           temperature=getattr(args, "temperature", 0.0))
         runs.append(run)
         m = run.metrics
         print(f"run {i + 1}: {m.duration:.2f} s, {m.output_throughput:.1f} output tok/s, "
@@ -200,6 +201,8 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
             p.add_argument("--request-rate", type=parse_rate_arg, default=None,
                            help="requests/s, Poisson (seeded by --seed); inf = all at once")
         p.add_argument("--num-runs", type=int, default=1, help="repeat on the same engine; report the median")
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="sample at this temperature (request i seeded with i) instead of greedy")
         p.add_argument("--profile", action="store_true",
                        help="time each step by part (projections, attention, sampling, scheduler, ...) "
                             "and step shape; a table, and 'profile' in the JSON")

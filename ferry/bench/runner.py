@@ -57,10 +57,12 @@ class EngineFactory:
 
 
 def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str = "",
-                 progress: bool = True, extra: dict[str, Any] | None = None) -> BenchRun:
+                 progress: bool = True, extra: dict[str, Any] | None = None,
+                 temperature: float = 0.0) -> BenchRun:
     """Submit each request at its ``arrival_time`` (seconds after the start), step until all finish.
 
-    Requests use greedy sampling with ignore_eos, so each yields exactly ``max_tokens``. The
+    Requests use greedy sampling (or ``temperature``, seeded by their index) with ignore_eos, so
+    each yields exactly ``max_tokens``. The
     prefix cache is emptied first; requests of the run share prefixes with each other only.
     """
     clock = engine.clock
@@ -82,7 +84,8 @@ def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str 
             i = order[nxt]
             r = requests[i]
             engine.add_request(r.prompt_token_ids,
-                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+                               SamplingParams(temperature=temperature, seed=i if temperature else None,
+                                              max_tokens=r.max_tokens, ignore_eos=True),
                                request_id=f"{prefix}{i}", arrival_time=t0 + r.arrival_time, priority=r.priority)
             nxt += 1
         n_steps = len(engine.step_stats)

@@ -1,7 +1,11 @@
 """Pack one step's chunks into flat tensors: no padding between requests.
 
 Decodes (one token with earlier context) come first so attention can take them
-as one batch; prefill chunks follow. Everything is computed with numpy on whole
+as one batch; prefill chunks follow. A speculative verify chunk (the last token
+and its drafts) is packed as decode rows too, one per token, row j attending to
+the context up to its own position: a verify step is then a decode step of more
+rows (the fused C path included), and each row computes what a plain decode of
+that token would. Everything is computed with numpy on whole
 arrays, with one small Python loop over requests (never over tokens).
 """
 from __future__ import annotations
@@ -39,26 +43,33 @@ def _token_ids(r: CachedRequest, c: ScheduledChunk) -> list[int]:
     return known + c.spec_token_ids if c.spec_token_ids else known
 
 
+def _is_decode(c: ScheduledChunk) -> bool:
+    return c.start > 0 and (c.num_tokens == 1 or bool(c.spec_token_ids))
+
+
 def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -> PackedBatch:
-    decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
-    prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+    decodes = [c for c in chunks if _is_decode(c)]
+    prefills = [c for c in chunks if not _is_decode(c)]
     ordered = decodes + prefills
     reqs = {c.request_id: states[c.request_id] for c in chunks}
 
-    ids: list[int] = [reqs[c.request_id].all_token_ids[c.start] for c in decodes]
-    for c in prefills:
+    ids: list[int] = []
+    for c in ordered:
         ids.extend(_token_ids(reqs[c.request_id], c))
     slot_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
 
-    nd = len(decodes)
+    nd = sum(c.num_tokens for c in decodes)  # decode rows
     decode_tables = decode_lens = None
     if nd:
-        starts = np.fromiter((c.start for c in decodes), dtype=np.int64, count=nd)
+        starts = np.concatenate([np.arange(c.start, c.start + c.num_tokens) for c in decodes]) \
+            if nd > len(decodes) else np.fromiter((c.start for c in decodes), dtype=np.int64, count=nd)
         tables = [reqs[c.request_id].block_ids for c in decodes]
-        table = np.zeros((nd, max(map(len, tables))), dtype=np.int64)
+        table = np.zeros((len(decodes), max(map(len, tables))), dtype=np.int64)
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
+        if nd > len(decodes):  # verify chunks: one row per token, each with its request's table
+            table = np.repeat(table, [c.num_tokens for c in decodes], axis=0)
         decode_tables = torch.from_numpy(table)
         decode_lens = torch.from_numpy(starts + 1)
         slot_parts.append(table[np.arange(nd), starts // block_size] * block_size + starts % block_size)

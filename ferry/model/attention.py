@@ -32,7 +32,7 @@ class AttentionMetadata:
     """Everything attention needs for one step, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T]: cache slot of every packed token
-    num_decodes: int  # the first num_decodes rows are single-token decodes
+    num_decodes: int  # the first num_decodes rows are one-token queries (decodes, verify tokens) with their own context
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64
     decode_lens: torch.Tensor | None  # [B] int64: context length, the new token included
     block_size: int
