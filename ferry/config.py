@@ -10,19 +10,25 @@ from typing import Any
 class SpeculativeConfig:
     """Speculative decoding, as vLLM's ``--speculative-config`` spells it. Only ``ngram`` (prompt
     lookup): draft up to ``num_speculative_tokens`` tokens that followed an earlier occurrence
-    of the request's last n tokens, n in ``[prompt_lookup_min, prompt_lookup_max]``."""
+    of the request's last n tokens, n in ``[prompt_lookup_min, prompt_lookup_max]``.
+    ``disable_by_batch_size``: no drafts while this many requests or more are running (a
+    verify step of many rows costs its compute; speculation pays where a step is bound by
+    reading the weights, i.e. small batches)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative_config.method must be 'ngram' (the only drafter ferry has), "
                              f"got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
+            if v is None and name == "disable_by_batch_size":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

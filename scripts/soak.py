@@ -875,7 +875,12 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(kv.split("=", 1) for kv in args.server_env)
     log_path = args.server_log or Path(tempfile.mkstemp(prefix="ferry-soak-", suffix=".log")[1])
     port = args.port or free_port()
-    server = Server(port, args.server_arg, env, log_path, args.server_cmd)
+    # The prefix cache keeps freed blocks' KV until their memory is needed, so a server's resident
+    # cache grows toward kv_cache_memory_gb. A 0.5 GiB cache (more than max_model_len needs) fills
+    # during warm-up; RSS growth after it measures leaks, not the cache filling.
+    server_args = args.server_arg if any(a.startswith("--kv-cache-memory-gb") or a.startswith("--num-kv-blocks")
+                                         for a in args.server_arg) else ["--kv-cache-memory-gb=0.5", *args.server_arg]
+    server = Server(port, server_args, env, log_path, args.server_cmd)
 
     def on_term(*_: Any) -> None:
         raise KeyboardInterrupt

@@ -123,6 +123,16 @@ def test_no_drafts_for_penalties_or_when_the_budget_is_one_token():
     assert not any(c.spec_token_ids for s in ex.steps for c in s.chunks)
 
 
+def test_no_drafts_while_the_batch_is_at_disable_by_batch_size():
+    engine, ex = make_engine(dict(NGRAM, disable_by_batch_size=2))
+    for i in range(2):
+        engine.add_request([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=12 + 8 * i, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    drafted = [len(s.chunks) for s in ex.steps if any(c.spec_token_ids for c in s.chunks)]
+    assert drafted and all(n == 1 for n in drafted)  # only once the first request has left
+
+
 def test_simulator_verify_steps_cost_their_drafts():
     from ferry.sim.engine import SimEngineFactory
     from ferry.sim.hardware import load_hardware

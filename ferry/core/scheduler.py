@@ -185,6 +185,8 @@ class Scheduler:
         spec, sp = self.spec, req.sampling_params
         if spec is None or sp.has_penalties or sp.structured_outputs is not None:
             return []
+        if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
+            return []
         k = min(spec.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens - 1)
         if k <= 0:
