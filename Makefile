@@ -39,3 +39,15 @@ clean:
 .PHONY: soak
 soak: setup
 	$(BIN)/python scripts/soak.py $(SOAK_ARGS)
+
+# The GPU check (issue 14): `make gpu-prep` here copies the model's shape (config, tokenizer) and
+# the mixed-64 workload into .gpu/; on a CUDA machine `scripts/gpu_check.sh` (or `make gpu-check`)
+# runs the check with whatever PyTorch is there.
+.PHONY: gpu-prep gpu-check
+gpu-prep: setup
+	mkdir -p .gpu/smollm2-config
+	$(BIN)/python -c "from ferry.model.loader import resolve_model_dir; import shutil, sys; d = resolve_model_dir(None); \
+	[shutil.copy(d / n, '.gpu/smollm2-config/') for n in ('config.json', 'tokenizer.json', 'tokenizer_config.json', 'generation_config.json', 'chat_template.jinja') if (d / n).is_file()]"
+	cp ../shared/workloads/mixed-64.json .gpu/ || echo 'no ../shared/workloads/mixed-64.json here: run the check with WORKLOAD=FILE'
+gpu-check:
+	scripts/gpu_check.sh

@@ -67,7 +67,12 @@ class EngineConfig:
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # "auto" | "dummy"
-    dtype: str = "float32"
+    # "auto": float32 on the CPU, bfloat16 on CUDA (float16 where bfloat16 is not supported).
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" (CUDA when torch sees a GPU) | "cpu" | "cuda"
+    # CUDA: the fraction of the GPU's memory the engine may use (weights, activations, KV cache);
+    # the KV cache gets what is left (vLLM's sizing). The CPU uses kv_cache_memory_gb.
+    gpu_memory_utilization: float = 0.9
     # "gguf": a GGUF model's quantized weights stay quantized (float32 activations); "none":
     # everything dequantized to dtype at load. None: "gguf" for a GGUF model, else "none".
     quantization: str | None = None
@@ -100,7 +105,10 @@ class EngineConfig:
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         check(self.quantization in (None, "gguf", "none"), "quantization", "'gguf' or 'none'")
         check(self.fp32_matmul_precision in ("ieee", "bf16"), "fp32_matmul_precision", "'ieee' or 'bf16'")
-        check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "'float32', 'bfloat16' or 'float16'")
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+              "'auto', 'float32', 'bfloat16' or 'float16'")
+        check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
               "max_num_batched_tokens", "an integer >= 1")
         check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")

@@ -61,8 +61,13 @@ class LLMEngine:
             from ferry.executor.model_executor import ModelExecutor  # torch lives there
 
             executor = ModelExecutor(config)
-        if config.max_model_len is None:  # resolved into a new config: the caller's stays as it was
+        # Resolved into a new config (the caller's stays as it was): the model's length, and the
+        # device and dtype "auto" chose.
+        if config.max_model_len is None:
             config = replace(config, max_model_len=executor.max_model_len)
+        device, dtype = getattr(executor, "device", None), getattr(executor, "dtype_name", None)
+        if device is not None:
+            config = replace(config, device=device.type, dtype=dtype)
         return cls(config, executor, executor.num_kv_blocks, tokenizer=executor.tokenizer,
                    eos_token_ids=executor.eos_token_ids)
 

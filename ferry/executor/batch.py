@@ -31,6 +31,14 @@ class PackedBatch:
     # Requests that score prompt tokens: (request, index of the first token scored, how many).
     prompt_spans: list[tuple[CachedRequest, int, int]]
 
+    def to(self, device: torch.device) -> "PackedBatch":
+        """The batch on ``device``: packed on the host, sent once per step (nothing on the CPU)."""
+        if device.type == "cpu":
+            return self
+        return PackedBatch(self.input_ids.to(device, non_blocking=True), self.positions.to(device, non_blocking=True),
+                           self.meta.to(device), self.logits_indices.to(device, non_blocking=True),
+                           self.sampling, self.prompt_spans)
+
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
     table = np.asarray(block_ids, dtype=np.int64)

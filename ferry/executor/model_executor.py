@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -16,6 +17,7 @@ from ferry.executor.request_state import RequestStates
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
+from ferry.model.device import default_dtype, kv_blocks_for_memory, resolve_device
 from ferry.model.llama import LlamaModel
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
 from ferry.model.tokenizer import load_tokenizer
@@ -46,17 +48,25 @@ class ModelExecutor:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = DTYPES[config.dtype]
+        self.device = resolve_device(config.device)
+        self.dtype_name = default_dtype(self.device) if config.dtype == "auto" else config.dtype
+        if self.device.type == "cuda":
+            if config.quantization == "gguf":
+                raise ValueError("quantization 'gguf' runs on the CPU's kernels; on CUDA use quantization "
+                                 "'none' (a GGUF is dequantized at load)")
+            config = replace(config, quantization="none")
+        config = replace(config, dtype=self.dtype_name)  # what the loader reads
+        dtype = DTYPES[self.dtype_name]
         if dtype is not torch.float32:
             try:
-                torch.ones(2, 2, dtype=dtype) @ torch.ones(2, 2, dtype=dtype)
+                torch.ones(2, 2, dtype=dtype, device=self.device) @ torch.ones(2, 2, dtype=dtype, device=self.device)
             except RuntimeError as e:
-                raise ValueError(f"dtype {config.dtype!r} is not supported on this device: {e}") from None
+                raise ValueError(f"dtype {self.dtype_name!r} is not supported on {self.device}: {e}") from None
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         cfg = ModelConfig.from_dir(model_dir)
         self.max_model_len = resolve_max_model_len(cfg, config.max_model_len)
         weights = load_weights(config, cfg, model_dir)
-        self.model = LlamaModel(cfg, weights, dtype, self.max_model_len)
+        self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device)
         del weights
         self.model_config = cfg
         self.model_dir = model_dir
@@ -68,19 +78,33 @@ class ModelExecutor:
         self.eos_token_ids = tuple(dict.fromkeys(
             t for t in eos + cfg.eos_token_ids + generation_eos_ids(model_dir) if t is not None))
         self.block_size = config.block_size
-        bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim \
-            * torch.tensor([], dtype=dtype).element_size()
-        self.num_kv_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        if config.num_kv_blocks:
+            self.num_kv_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # The largest step's activations: a few hidden-sized and MLP-sized rows per token,
+            # and float32 logits for every row that samples (upper bound: every token).
+            T = config.max_num_batched_tokens
+            act = T * (6 * cfg.hidden_size + 4 * cfg.intermediate_size) * elem + T * cfg.vocab_size * 4 * 2
+            self.num_kv_blocks = kv_blocks_for_memory(total, free, config.gpu_memory_utilization,
+                                                      bytes_per_block, act)
+        else:
+            self.num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         slots = self.num_kv_blocks * config.block_size
         # Zeros, not garbage: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
-        # numpy's zeros come from calloc, whose fresh pages the OS zeroes lazily: no 2 GiB memset
-        # at start-up, and only the blocks in use ever take memory.
+        # On the CPU numpy's zeros come from calloc, whose fresh pages the OS zeroes lazily: no
+        # 2 GiB memset at start-up, and only the blocks in use ever take memory.
         shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
-        cache = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
+        if self.device.type == "cpu":
+            cache = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.sampler = Sampler(config.seed, grammars=self.grammars)
+        self.sampler = Sampler(config.seed, grammars=self.grammars, device=self.device)
         self.states = RequestStates()
         self.tick: Callable[[str], None] = no_tick
         self.matmul_precision = config.fp32_matmul_precision
@@ -100,7 +124,7 @@ class ModelExecutor:
         torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
         self.states.apply(out)
-        batch = pack(out.chunks, self.states, self.block_size)
+        batch = pack(out.chunks, self.states, self.block_size).to(self.device)
         self.tick("pack")
         logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                     batch.logits_indices)

@@ -19,12 +19,13 @@ def apply_penalties(logits: torch.Tensor, req: CachedRequest) -> None:
     """In place on one row: repetition (prompt and output), presence and frequency (output)."""
     sp = req.sampling_params
     if sp.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
     if (sp.presence_penalty or sp.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long)
-        counts = torch.zeros_like(logits).index_add_(0, out, torch.ones(len(out), dtype=logits.dtype))
+        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.zeros_like(logits).index_add_(0, out, torch.ones(len(out), dtype=logits.dtype,
+                                                                        device=logits.device))
         logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -63,9 +64,11 @@ class Sampler:
     or off.
     """
 
-    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-        self._seeded = torch.Generator()
+    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        # On the logits' device: the draws happen where the logits are, only token ids come back.
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self._seeded = torch.Generator(device)
         self.grammars = grammars
         # request id -> (the request, its matcher); the request too, so a reused id starts afresh.
         self._matchers: OrderedDict[str, tuple[CachedRequest, RequestGrammar]] = OrderedDict()
@@ -96,12 +99,17 @@ class Sampler:
         for i in rows:
             r = reqs[i]
             g = self._matcher(r)
-            g.mask(logits[i], r.output_token_ids)
+            # The grammar's mask is made on the host: a GPU row makes a round trip (grammar rows only).
+            on_host = logits.device.type == "cpu"
+            row = logits[i] if on_host else logits[i].cpu()
+            g.mask(row, r.output_token_ids)
             # min_tokens may have banned the stop token that is all the grammar allows: the grammar
             # wins, or nothing would be left to sample.
-            if r.num_output_tokens < r.sampling_params.min_tokens and not torch.isfinite(logits[i]).any():
-                logits[i] = raw[i]
-                g.mask(logits[i], r.output_token_ids)
+            if r.num_output_tokens < r.sampling_params.min_tokens and not torch.isfinite(row).any():
+                row.copy_(raw[i])
+                g.mask(row, r.output_token_ids)
+            if not on_host:
+                logits[i] = row.to(logits.device)
             matchers.append(g)
         return matchers
 
@@ -135,8 +143,9 @@ class Sampler:
                 if sp.has_penalties:
                     apply_penalties(logits[i], r)
                 if sp.logit_bias:
-                    ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
-                    logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype)
+                    ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=logits.device)
+                    logits[i, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype,
+                                                   device=logits.device)
                 if k < sp.min_tokens:
                     banned = list(sp.stop_token_ids) + list(r.eos_token_ids)
                     if banned:
@@ -195,7 +204,7 @@ def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[CachedRequest, int, 
     for req, first, n in spans:
         targets = req.prompt_token_ids[first:first + n]
         rows = lp[row:row + n]
-        own = rows.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+        own = rows.gather(1, torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None])[:, 0].tolist()
         k = req.sampling_params.prompt_logprobs
         top = rows.topk(k, dim=-1) if k else None
         entries = []

@@ -39,11 +39,22 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     _gathered: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The same metadata with every tensor on ``device`` (a copy per step, small)."""
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            slot_mapping=mv(self.slot_mapping), num_decodes=self.num_decodes,
+            decode_block_tables=mv(self.decode_block_tables), decode_lens=mv(self.decode_lens),
+            block_size=self.block_size,
+            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), mv(p.mask)) for p in self.prefills])
+
     def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] slots of every decode's context (padded) and [B, 1, 1, L] mask, made once per step."""
         if self._gathered is None:
             L = int(self.decode_lens.max())
-            ar = torch.arange(L)
+            ar = torch.arange(L, device=self.decode_block_tables.device)
             slots = self.decode_block_tables[:, ar // self.block_size] * self.block_size + ar % self.block_size
             mask = (ar[None, :] < self.decode_lens[:, None]).view(-1, 1, 1, L)
             self._gathered = (slots, mask)

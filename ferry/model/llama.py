@@ -114,9 +114,10 @@ class LlamaModel:
     """Weights plus a forward pass over a packed batch; the KV cache is passed in."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype,
-                 max_len: int) -> None:
+                 max_len: int, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         self.dtype = dtype
+        self.device = device = torch.device(device)
         # The step profiler (ferry.engine.profiler), when one is on: told the name of each part
         # of the forward pass as it ends.
         self.profiler: Any = None
@@ -126,10 +127,11 @@ class LlamaModel:
                 raise ValueError(f"checkpoint lacks the weight {name!r}")
             w = weights[name]
             if isinstance(w, QuantWeight):
-                if dtype != torch.float32:
-                    raise ValueError("quantized weights run with float32 activations: use dtype float32")
+                if dtype != torch.float32 or device.type != "cpu":
+                    raise ValueError("quantized weights run with float32 activations on the CPU: use dtype "
+                                     "float32 on the CPU, or quantization 'none'")
                 return w
-            return w.to(dtype).contiguous()
+            return w.to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
@@ -152,11 +154,11 @@ class LlamaModel:
                 down=take(p + "mlp.down_proj.weight"),
             ))
         cos, sin = rope_tables(cfg, max_len)
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.use_kernel = kernels_usable(dtype)
+        self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
         # The kernels take any K (quantized weights come in whole blocks) and any head size.
         self.fused = FusedDecode(cfg, self.layers, self.scale) if self.use_kernel else None
 

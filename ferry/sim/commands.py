@@ -61,8 +61,8 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     executor = ModelExecutor(config)
     shapes = calibration_shapes(executor.num_kv_blocks * executor.block_size)
     samples = measure_steps(executor, shapes, reps=args.reps, passes=args.passes, progress=not args.no_progress)
-    dtype_bytes = {"float32": 4}.get(config.dtype, 2)
-    name = f"calibrated-{socket.gethostname()}-{config.dtype}"
+    dtype_bytes = {"float32": 4}.get(executor.dtype_name, 2)
+    name = f"calibrated-{socket.gethostname()}-{executor.dtype_name}"
     hw, err = fit_profile(executor.model_config, samples, name, dtype_bytes,
                           memory_gb=config.kv_cache_memory_gb, kv_cache_memory_gb=config.kv_cache_memory_gb)
     # The engine's own work around each step (scheduling, stop checks, detokenizing) is real time too.
@@ -145,8 +145,6 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulation (--model is a preset or a config.json: " + ", ".join(MODELS) + ")")
     g.add_argument("--hardware", default="h100-sxm", help=f"a preset ({', '.join(HW)}) or a calibrated profile JSON")
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of device memory for weights + KV cache (the rest is headroom)")
     g.add_argument("--spec-acceptance-rate", type=float, default=0.5,
                    help="with --speculative-config: the chance each draft token is accepted")
 

@@ -1,0 +1,40 @@
+"""Where the model runs: the device, its default dtype, and a KV cache sized from its memory."""
+from __future__ import annotations
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when torch sees a GPU, else the CPU. ``cuda`` without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here "
+                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device 'cpu' or 'auto'")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+    return torch.device(name)
+
+
+def default_dtype(device: torch.device) -> str:
+    """float32 on the CPU (the C kernels and quantized weights compute in float32); bfloat16 on
+    a GPU that supports it, else float16."""
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def kv_blocks_for_memory(total: int, free: int, utilization: float, bytes_per_block: int,
+                         activation_bytes: int) -> int:
+    """KV blocks a GPU engine gets, as vLLM sizes them: the engine may use ``utilization`` of the
+    device's ``total`` memory; what is already in use (``total - free``: weights, other
+    processes) and the activations of the largest step come off that, the rest is KV cache."""
+    budget = total * utilization - (total - free) - activation_bytes
+    if budget < bytes_per_block:
+        raise ValueError(
+            f"no room for a KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB, less {(total - free) / 2**30:.1f} GiB "
+            f"in use and {activation_bytes / 2**30:.1f} GiB for activations, leaves {max(budget, 0) / 2**30:.2f} GiB; "
+            f"raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return int(budget // bytes_per_block)
