@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -37,9 +36,14 @@ def build_model(config_dir: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def parity_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(n)] for n in (5, 17, 42, 90, 150, 230, 310, 400)]
+def parity_prompts(model_dir: Path) -> list[list[int]]:
+    """The test suite's parity prompts: 8 cuts of one text, 5 to 400 tokens."""
+    from ferry.model.tokenizer import load_tokenizer
+    from tests.conftest import LONG_TEXT
+
+    ids = load_tokenizer(model_dir).encode(LONG_TEXT * 2, add_special_tokens=False)
+    lengths, offsets = [5, 17, 42, 90, 150, 230, 310, 400], [0, 11, 40, 7, 63, 120, 25, 3]
+    return [ids[o:o + n] for o, n in zip(offsets, lengths)]
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], n: int, device: str) -> list[list[int]]:
@@ -78,7 +82,7 @@ def main() -> int:
     t0 = time.perf_counter()
     model_dir = build_model(args.config_dir, args.work / "model")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts = parity_prompts(vocab)
+    prompts = parity_prompts(model_dir)
     n_new = 32
 
     # 1. Greedy parity against transformers, float32 on CUDA.

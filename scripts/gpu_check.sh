@@ -18,6 +18,9 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/ferry-site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# A networked machine without ferry's dependencies gets them (torch from PyPI is its CUDA build).
+$PY -c "import numpy, safetensors, tokenizers, transformers, tqdm, prometheus_client" 2>/dev/null \
+    || $PY -m pip install -q -e .
 $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda); sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to torch')"
 # The device-parametrised tests: their CUDA cases run here (on a CPU machine they are skipped).
 $PY -m pytest -q -p no:cacheprovider tests/test_device.py -rs

@@ -121,7 +121,8 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
 
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slot_parts)), num_decodes=nd,
-        decode_block_tables=decode_tables, decode_lens=decode_lens, block_size=block_size, prefills=spans)
+        decode_block_tables=decode_tables, decode_lens=decode_lens, block_size=block_size, prefills=spans,
+        max_decode_len=int(starts.max()) + 1 if nd else 0)
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),

@@ -37,6 +37,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None  # [B] int64: context length, the new token included
     block_size: int
     prefills: list[PrefillSpan]
+    max_decode_len: int = 0  # known on the host: no device sync to size the gathered contexts
     _gathered: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
@@ -47,13 +48,13 @@ class AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=mv(self.slot_mapping), num_decodes=self.num_decodes,
             decode_block_tables=mv(self.decode_block_tables), decode_lens=mv(self.decode_lens),
-            block_size=self.block_size,
+            block_size=self.block_size, max_decode_len=self.max_decode_len,
             prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), mv(p.mask)) for p in self.prefills])
 
     def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] slots of every decode's context (padded) and [B, 1, 1, L] mask, made once per step."""
         if self._gathered is None:
-            L = int(self.decode_lens.max())
+            L = self.max_decode_len or int(self.decode_lens.max())
             ar = torch.arange(L, device=self.decode_block_tables.device)
             slots = self.decode_block_tables[:, ar // self.block_size] * self.block_size + ar % self.block_size
             mask = (ar[None, :] < self.decode_lens[:, None]).view(-1, 1, 1, L)
