@@ -1,6 +1,13 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The suite tests the CPU engine (its C kernels, quantized weights) wherever it runs: "auto"
+# means the CPU here even on a machine with a GPU. tests/test_device.py names its devices, and
+# scripts/gpu_check.sh checks the GPU. Server subprocesses inherit this.
+os.environ.setdefault("FERRY_DEVICE", "cpu")
 
 LONG_TEXT = (
     "The ferry left the harbour at dawn, its engines humming as gulls circled overhead. "

@@ -15,9 +15,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not CUDA, reason="no CUDA GPU here: the CUDA path is checked on a GPU by scripts/gpu_check.sh"))]
 
 
-def test_device_and_dtype_resolution():
+def test_device_and_dtype_resolution(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.delenv("FERRY_DEVICE", raising=False)
     assert resolve_device("auto") == torch.device("cuda" if CUDA else "cpu")
+    monkeypatch.setenv("FERRY_DEVICE", "cpu")
+    assert resolve_device("auto") == torch.device("cpu")
     assert default_dtype(torch.device("cpu")) == "float32"
     if not CUDA:
         with pytest.raises(ValueError, match="device 'cuda' asked for, but torch sees no CUDA GPU"):

@@ -1,14 +1,19 @@
 """Where the model runs: the device, its default dtype, and a KV cache sized from its memory."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto``: CUDA when torch sees a GPU, else the CPU. ``cuda`` without one is an error."""
+    """``auto``: the FERRY_DEVICE environment variable if set, else CUDA when torch sees a GPU,
+    else the CPU. ``cuda`` without one is an error."""
     if name == "auto":
+        if os.environ.get("FERRY_DEVICE"):
+            return resolve_device(os.environ["FERRY_DEVICE"])
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here "
