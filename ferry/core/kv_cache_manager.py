@@ -78,8 +78,20 @@ class KVCacheManager:
         need. Returns the newly taken block ids (possibly empty), or None, taking nothing,
         when the pool cannot give them.
         """
-        table = self.block_tables.setdefault(request.request_id, [])
-        cached = cached or []
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+        if not cached:
+            needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+            if needed <= 0:
+                return []  # the common decode step: room in the last block
+            new = self.pool.take(needed)
+            if new is None:
+                if not table:
+                    del self.block_tables[request.request_id]
+                return None
+            table.extend(new)
+            return new
         computed = request.num_computed_tokens + len(cached) * self.block_size
         needed = blocks_for(computed + num_new_tokens, self.block_size) - len(table) - len(cached)
         # Cached blocks nobody holds are counted free: reusing them takes them from the pool too.
@@ -105,8 +117,8 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Register ``request``'s full blocks whose KV is now computed (after a successful step)."""
-        if not self.enable_caching:
-            return
+        if not self.enable_caching or request.num_computed_tokens // self.block_size <= request.num_cached_blocks:
+            return  # no block filled since the last call
         table = self.block_tables.get(request.request_id)
         if not table:
             return

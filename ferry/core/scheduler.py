@@ -126,9 +126,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num = min(req.num_tokens - req.num_computed_tokens, budget)
-            req.spec_token_ids = self._draft(req, budget) if num == req.num_tokens - req.num_computed_tokens == 1 else []
-            num += len(req.spec_token_ids)
+            need = len(req.all_token_ids) - req.num_computed_tokens
+            num = min(need, budget)
+            if self.spec is not None:
+                req.spec_token_ids = self._draft(req, budget) if num == need == 1 else []
+                num += len(req.spec_token_ids)
             while self.kv.allocate_slots(req, num) is None:
                 if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
                     num -= len(req.spec_token_ids)
@@ -198,16 +200,19 @@ class Scheduler:
 
     def _advance(self, req: Request, num: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        req.num_computed_tokens += num
-        table = self.kv.block_tables[req.request_id]
-        new_block_ids = table[req.num_blocks_sent:]
-        req.num_blocks_sent = len(table)
-        self._in_flight[req.request_id] = req
-        return ScheduledChunk(request_id=req.request_id, start=start, num_tokens=num,
-                              new_block_ids=new_block_ids,
-                              samples=req.num_computed_tokens >= req.num_tokens,
-                              decode=start >= req.num_prompt_tokens and num == 1 + len(req.spec_token_ids),
-                              spec_token_ids=req.spec_token_ids)
+        req.num_computed_tokens = end = start + num
+        rid = req.request_id
+        table = self.kv.block_tables[rid]
+        if len(table) > req.num_blocks_sent:
+            new_block_ids = table[req.num_blocks_sent:]
+            req.num_blocks_sent = len(table)
+        else:
+            new_block_ids = []
+        self._in_flight[rid] = req
+        spec = req.spec_token_ids
+        # Positional: this runs for every request every step.
+        return ScheduledChunk(rid, start, num, new_block_ids, end >= len(req.all_token_ids),
+                              start >= len(req.prompt_token_ids) and num == 1 + len(spec), spec)
 
     def _victim_key(self, req: Request) -> tuple:
         # The last-arrived goes first; under "priority", the least urgent first.
@@ -245,13 +250,14 @@ class Scheduler:
         """
         now = self.clock()
         changed: list[Request] = []
+        errors, in_flight = result.errors, self._in_flight
         for chunk in out.chunks:
-            req = self._in_flight.get(chunk.request_id)
-            if req is None or req.is_finished or chunk.padding:
+            rid = chunk.request_id
+            req = in_flight.get(rid)
+            if req is None or req.status.finished or chunk.padding:
                 continue  # aborted while the step ran, or static-batch padding
-            rid = req.request_id
-            if rid in result.errors:
-                self.finish_request(req, RequestStatus.FINISHED_ERROR, result.errors[rid])
+            if errors and rid in errors:
+                self.finish_request(req, RequestStatus.FINISHED_ERROR, errors[rid])
                 changed.append(req)
                 continue
             if not chunk.samples:
@@ -264,13 +270,16 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(chunk.spec_token_ids)
                 self.num_accepted_tokens += accepted
-            req.spec_token_ids = []
+            if req.spec_token_ids:
+                req.spec_token_ids = []
             status = None
+            times = req.times
+            if times.first_token is None:
+                times.first_token = now
             for token in tokens:
-                req.append_output_token(token)
-                if req.times.first_token is None:
-                    req.times.first_token = now
-                req.times.token_times.append(now)
+                req.output_token_ids.append(token)
+                req.all_token_ids.append(token)
+                times.token_times.append(now)
                 status = self._check_stop(req, token)
                 if status is not None:
                     break  # later accepted drafts are dropped
@@ -283,12 +292,13 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Token-level stops; stop strings are the output processor's (it sees the text)."""
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
             if token in req.eos_token_ids and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -31,6 +31,8 @@ class RequestState:
     # One entry per prompt token once prefilled, when asked for; the first token has none.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stop_string: str | None = None
+    # No text, no stop strings, no logprobs: the tokens need no look (token-id runs, the simulator).
+    passthrough: bool = False
 
 
 class OutputProcessor:
@@ -45,7 +47,8 @@ class OutputProcessor:
             prompt=prompt, sampling_params=sp,
             detokenizer=IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
             if self.tokenizer is not None else None,
-            prompt_logprobs=[None] if sp.prompt_logprobs is not None else [])
+            prompt_logprobs=[None] if sp.prompt_logprobs is not None else [],
+            passthrough=self.tokenizer is None and not sp.stop and sp.logprobs is None)
 
     def process(self, changed: list[Request], result: ModelRunnerOutput,
                 finished_only: bool = False) -> list[RequestOutput]:
@@ -57,11 +60,18 @@ class OutputProcessor:
                 # A chunk recomputed after preemption scores tokens already recorded: skip those.
                 st.prompt_logprobs.extend(entries[len(st.prompt_logprobs) - first:])
         outputs = []
+        states = self.states
         for req in changed:
-            st = self.states[req.request_id]
-            before = st.num_tokens
-            self._take_tokens(req, st, result.logprobs.get(req.request_id))
-            if req.is_finished or not finished_only:
+            st = states[req.request_id]
+            if st.passthrough:
+                if finished_only and not req.status.finished:
+                    continue  # taken in when its output is built: the count of new tokens spans the gap
+                before = st.num_tokens
+                st.num_tokens = len(req.output_token_ids)
+            else:
+                before = st.num_tokens
+                self._take_tokens(req, st, result.logprobs.get(req.request_id))
+            if req.status.finished or not finished_only:
                 outputs.append(self.output(req, st.num_tokens - before))
         return outputs
 
@@ -109,6 +119,8 @@ class OutputProcessor:
         st = self.states[req.request_id]
         if req.is_finished:
             del self.states[req.request_id]
+        if st.passthrough:
+            st.num_tokens = len(req.output_token_ids)
         t, sp, n = req.times, st.sampling_params, st.num_tokens
         return RequestOutput(
             request_id=req.request_id,

@@ -30,8 +30,12 @@ class SimulatedExecutor:
         rows = 0
         for c in out.chunks:
             if c.samples and not c.padding:
-                rows += c.num_sampling_rows
-                sampled[c.request_id] = [0] * (1 + self._accepted(len(c.spec_token_ids)))
+                if c.spec_token_ids:
+                    rows += 1 + len(c.spec_token_ids)
+                    sampled[c.request_id] = [0] * (1 + self._accepted(len(c.spec_token_ids)))
+                else:
+                    rows += 1
+                    sampled[c.request_id] = [0]
         self.clock.advance(self.cost.step_time(((c.num_tokens, c.start) for c in out.chunks), rows))
         return ModelRunnerOutput(sampled=sampled)
 
