@@ -226,3 +226,20 @@ def test_cached_prefixes_give_the_same_tokens_on_the_model(llm, parity_prompts):
     assert [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)] == cold
     assert off.engine.kv.num_hit_tokens == 0
     llm.engine.reset_prefix_cache()
+
+
+def test_the_simulator_runs_the_same_cache_so_hits_cost_nothing():
+    from ferry.bench.runner import run_workload
+    from ferry.bench.workload import WorkloadRequest
+    from ferry.sim.engine import SimEngineFactory
+    from ferry.sim.hardware import load_hardware
+    from ferry.sim.models import load_model_config
+
+    system = list(range(100, 700))  # a 600-token shared prefix
+    reqs = [WorkloadRequest(system + [1000 + i] * 20, 8, arrival_time=0.5 * i) for i in range(8)]
+    f = SimEngineFactory(load_model_config("llama-3.1-8b"), load_hardware("h100-sxm"))
+    runs = {on: run_workload(f.engine(EngineConfig(enable_prefix_caching=on)), reqs, progress=False) for on in (True, False)}
+    prefill = {on: sum(s.num_prefill_tokens for s in r.steps) for on, r in runs.items()}
+    assert runs[True].metrics.num_cached_tokens == 7 * 592 and runs[False].metrics.num_cached_tokens == 0
+    assert prefill[False] - prefill[True] == 7 * 592
+    assert runs[True].metrics.duration < runs[False].metrics.duration
