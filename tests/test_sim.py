@@ -190,3 +190,17 @@ def test_simulate_seed_report(tmp_path):
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "report.md").read_text()
     assert "simulated" in text and "## (d) FCFS vs priority" in text
+
+
+def test_measure_steps_times_real_steps_on_the_model_executor(llm):
+    """Calibration drives the executor with plain scheduler outputs of its own making."""
+    from ferry.sim.calibrate import measure_steps
+
+    ex = llm.engine.executor
+    shapes = [((1, 40), (1, 90)), ((24, 0),), ((16, 32), (1, 20))]
+    try:
+        samples = measure_steps(ex, shapes, reps=2, passes=1, progress=False)
+    finally:
+        llm.engine.reset_prefix_cache()  # calibration wrote into blocks the engine may have cached
+    assert [s.shape for s in samples] == shapes and all(s.seconds > 0 for s in samples)
+    assert not ex.states.requests  # every calibration request's state was dropped

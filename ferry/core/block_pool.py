@@ -38,10 +38,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    @property
-    def num_cached_free(self) -> int:
-        return len(self._cached_free)
-
     def take(self, n: int) -> list[int] | None:
         """Take ``n`` fresh blocks (reference count 1), or None (and take nothing) if fewer are free."""
         if n > self.num_free:

@@ -81,21 +81,10 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id)
         if table is None:
             table = self.block_tables[request.request_id] = []
-        if not cached:
-            needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-            if needed <= 0:
-                return []  # the common decode step: room in the last block
-            new = self.pool.take(needed)
-            if new is None:
-                if not table:
-                    del self.block_tables[request.request_id]
-                return None
-            table.extend(new)
-            return new
-        computed = request.num_computed_tokens + len(cached) * self.block_size
-        needed = blocks_for(computed + num_new_tokens, self.block_size) - len(table) - len(cached)
+        computed = request.num_computed_tokens + (len(cached) * self.block_size if cached else 0)
+        needed = blocks_for(computed + num_new_tokens, self.block_size) - len(table) - (len(cached) if cached else 0)
         # Cached blocks nobody holds are counted free: reusing them takes them from the pool too.
-        reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
+        reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0) if cached else 0
         if needed + reclaimed > self.pool.num_free:
             if not table:
                 del self.block_tables[request.request_id]
@@ -104,7 +93,9 @@ class KVCacheManager:
             assert not table and request.num_computed_tokens == 0
             self.pool.touch(cached)
             table.extend(cached)
-        new = self.pool.take(needed) if needed > 0 else []
+        if needed <= 0:
+            return []  # the common decode step: room in the last block
+        new = self.pool.take(needed)
         assert new is not None
         table.extend(new)
         return new

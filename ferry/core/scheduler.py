@@ -97,7 +97,6 @@ class Scheduler:
         req.status = status
         req.times.finished = self.clock()
         self.kv.free(req)
-        req.spec_token_ids = []
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)
 
@@ -185,7 +184,8 @@ class Scheduler:
         leave room for. None for requests whose next-token rule depends on the tokens before it
         in ways the verify step does not replay (penalties, grammars)."""
         spec, sp = self.spec, req.sampling_params
-        if spec is None or sp.has_penalties or sp.structured_outputs is not None:
+        assert spec is not None
+        if sp.has_penalties or sp.structured_outputs is not None:
             return []
         if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
             return []
@@ -277,8 +277,7 @@ class Scheduler:
             if times.first_token is None:
                 times.first_token = now
             for token in tokens:
-                req.output_token_ids.append(token)
-                req.all_token_ids.append(token)
+                req.append_output_token(token)
                 times.token_times.append(now)
                 status = self._check_stop(req, token)
                 if status is not None:

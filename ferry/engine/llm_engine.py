@@ -151,9 +151,11 @@ class LLMEngine:
         tick("schedule")
         start = self.clock()
         result = self._execute(out)
-        changed = self.scheduler.update_from_output(out, result)
+        sched = self.scheduler
+        spec_before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
+        changed = sched.update_from_output(out, result)
         tick("update")
-        stats = self._record_step(out, result, start)
+        stats = self._record_step(out, start, spec_before)
         outputs = self.output_processor.process(changed, result, finished_only)
         if prof is not None:
             tick("outputs")
@@ -208,15 +210,14 @@ class LLMEngine:
         self.num_failed_requests += 1
         return ModelRunnerOutput(errors={rid: f"{type(e).__name__}: {e}"})
 
-    def _record_step(self, out: SchedulerOutput, result: ModelRunnerOutput, start: float) -> StepStats:
+    def _record_step(self, out: SchedulerOutput, start: float, spec_before: tuple[int, int, int]) -> StepStats:
         kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}
         tokens = dict.fromkeys(kinds, 0)
-        drafts = draft_tokens = accepted = 0
+        # What the scheduler counted in this step's update.
+        s = self.scheduler
+        drafts, draft_tokens, accepted = (s.num_drafts - spec_before[0], s.num_draft_tokens - spec_before[1],
+                                          s.num_accepted_tokens - spec_before[2])
         for c in out.chunks:
-            if c.spec_token_ids and c.request_id in result.sampled:
-                drafts += 1
-                draft_tokens += len(c.spec_token_ids)
-                accepted += len(result.sampled[c.request_id]) - 1
             kind = "padding" if c.padding else "decode" if c.decode else "prefill"
             kinds[kind].append(c.request_id)
             tokens[kind] += c.num_tokens

@@ -27,6 +27,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     num_tokens: int = 0  # output tokens taken in: with a stop string mid-step, fewer than generated
+    num_shown: int = 0  # output tokens in the last RequestOutput built
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # One entry per prompt token once prefilled, when asked for; the first token has none.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
@@ -63,16 +64,10 @@ class OutputProcessor:
         states = self.states
         for req in changed:
             st = states[req.request_id]
-            if st.passthrough:
-                if finished_only and not req.status.finished:
-                    continue  # taken in when its output is built: the count of new tokens spans the gap
-                before = st.num_tokens
-                st.num_tokens = len(req.output_token_ids)
-            else:
-                before = st.num_tokens
+            if not st.passthrough:  # a passthrough state takes its tokens in when its output is built
                 self._take_tokens(req, st, result.logprobs.get(req.request_id))
             if req.status.finished or not finished_only:
-                outputs.append(self.output(req, st.num_tokens - before))
+                outputs.append(self.output(req))
         return outputs
 
     def _take_tokens(self, req: Request, st: RequestState, logprobs: list[dict[int, float]] | None) -> None:
@@ -114,7 +109,7 @@ class OutputProcessor:
         st.stop_string = s
         return True
 
-    def output(self, req: Request, num_new_tokens: int = 0) -> RequestOutput:
+    def output(self, req: Request) -> RequestOutput:
         """The request's output as of now; a finished request's state is dropped."""
         st = self.states[req.request_id]
         if req.is_finished:
@@ -122,6 +117,7 @@ class OutputProcessor:
         if st.passthrough:
             st.num_tokens = len(req.output_token_ids)
         t, sp, n = req.times, st.sampling_params, st.num_tokens
+        num_new_tokens, st.num_shown = n - st.num_shown, n
         return RequestOutput(
             request_id=req.request_id,
             prompt=st.prompt,

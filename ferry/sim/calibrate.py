@@ -174,7 +174,7 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
     A shape's time is the fastest of its timings: a shared machine only ever adds time, in slow
     moments that come and go, so the minimum is the machine's repeatable speed."""
     from ferry.core.kv_cache_manager import KVCacheManager
-    from ferry.core.outputs import ScheduledChunk, SchedulerOutput
+    from ferry.core.outputs import NewRequest, ScheduledChunk, SchedulerOutput
     from ferry.core.request import Request
     from ferry.core.sampling_params import SamplingParams
 
@@ -188,6 +188,8 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
         from tqdm import tqdm
 
         bar = tqdm(total=len(shapes) * (passes + 1), desc="calibration steps", unit="step")
+    done: list[str] = []  # the executor drops these requests' state with the next step
+    step_id = 0
     for p, pass_order in enumerate(order):
         for k in pass_order:
             reqs, chunks = [], []
@@ -197,20 +199,24 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
                 if kv.allocate_slots(req, start + n) is None:
                     raise ValueError(f"calibration shape {k} needs more KV blocks than the executor has")
                 reqs.append(req)
-                chunks.append(ScheduledChunk(req, start, n, kv.block_tables[req.request_id], samples=True))
-            out = SchedulerOutput(chunks=chunks)
-            for _ in range(reps if p else 1):
+                # n tokens after ``start`` in the cache (their KV is whatever the slots hold: only the time counts).
+                chunks.append(ScheduledChunk(req.request_id, start, n, kv.block_tables[req.request_id], samples=True))
+            step_id += 1
+            out = SchedulerOutput(step_id=step_id, chunks=chunks, finished_req_ids=done,
+                                  new_requests=[NewRequest(r.request_id, r.prompt_token_ids, greedy) for r in reqs])
+            for _ in range(reps if p else 1):  # the same step again: its bookkeeping is applied once
                 t0 = time.perf_counter()
                 executor.execute(out)
                 if p:
                     times[k].append(time.perf_counter() - t0)
             for req in reqs:
                 kv.free(req)
-            sampler = getattr(executor, "sampler", None)
-            if sampler is not None:
-                sampler.forget([r.request_id for r in reqs])
+            done = [r.request_id for r in reqs]
             if bar is not None:
                 bar.update(1)
+    states = getattr(executor, "states", None)
+    if states is not None:
+        states.apply(SchedulerOutput(step_id=step_id + 1, finished_req_ids=done))
     if bar is not None:
         bar.close()
     return [Sample(shape, min(t)) for shape, t in zip(shapes, times)]
