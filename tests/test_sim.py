@@ -203,4 +203,4 @@ def test_measure_steps_times_real_steps_on_the_model_executor(llm):
     finally:
         llm.engine.reset_prefix_cache()  # calibration wrote into blocks the engine may have cached
     assert [s.shape for s in samples] == shapes and all(s.seconds > 0 for s in samples)
-    assert not ex.states.requests  # every calibration request's state was dropped
+    assert not [rid for rid in ex.states.requests if rid.startswith("cal-")]  # their states were dropped

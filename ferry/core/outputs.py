@@ -7,6 +7,7 @@ table, grammar matcher) between steps, so a step could run in another thread or 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from ferry.core.sampling_params import SamplingParams
@@ -53,7 +54,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     """One step's boarding list: ``{request_id: num_tokens}`` plus what the executor needs."""
 
-    step_id: int = 0  # a retry of the same step (failure isolation) carries the same id
+    # Unique in the process (several engines may share one executor); a retry of the same step
+    # (failure isolation, ``dataclasses.replace``) carries the same id.
+    step_id: int = field(default_factory=itertools.count(1).__next__)
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     # The executor forgets these requests' block tables; they come back with new blocks.

@@ -46,7 +46,6 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._in_flight: dict[str, Request] = {}  # the requests of the step being run
         self._seq = 0
-        self._step_id = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
@@ -115,8 +114,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's boarding list."""
         budget = self.budget
-        self._step_id += 1
-        out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._take_finished())
+        out = SchedulerOutput(finished_req_ids=self._take_finished())
         scheduled: dict[str, int] = {}
 
         # First priority: keep the running requests moving.

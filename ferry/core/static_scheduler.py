@@ -23,8 +23,7 @@ class StaticScheduler(Scheduler):
         self.batch: list[Request] = []
 
     def schedule(self) -> SchedulerOutput:
-        self._step_id += 1
-        out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._take_finished())
+        out = SchedulerOutput(finished_req_ids=self._take_finished())
         if not self.batch:
             self._admit_batch(out)
         self._in_flight = {}

@@ -49,7 +49,7 @@ class RequestStates:
         """Take in a step's bookkeeping: finished requests go, preempted ones lose their blocks,
         new ones arrive, chunks bring new blocks. Once per step and chunk: a retry of the same
         step with part of its chunks (the engine isolating a failing request) repeats nothing."""
-        if out.step_id != self._applied_step or not out.step_id:
+        if out.step_id != self._applied_step:
             for rid in out.finished_req_ids:
                 self.requests.pop(rid, None)
             for rid in out.preempted_req_ids:

@@ -189,7 +189,6 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
 
         bar = tqdm(total=len(shapes) * (passes + 1), desc="calibration steps", unit="step")
     done: list[str] = []  # the executor drops these requests' state with the next step
-    step_id = 0
     for p, pass_order in enumerate(order):
         for k in pass_order:
             reqs, chunks = [], []
@@ -201,8 +200,7 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
                 reqs.append(req)
                 # n tokens after ``start`` in the cache (their KV is whatever the slots hold: only the time counts).
                 chunks.append(ScheduledChunk(req.request_id, start, n, kv.block_tables[req.request_id], samples=True))
-            step_id += 1
-            out = SchedulerOutput(step_id=step_id, chunks=chunks, finished_req_ids=done,
+            out = SchedulerOutput(chunks=chunks, finished_req_ids=done,
                                   new_requests=[NewRequest(r.request_id, r.prompt_token_ids, greedy) for r in reqs])
             for _ in range(reps if p else 1):  # the same step again: its bookkeeping is applied once
                 t0 = time.perf_counter()
@@ -216,7 +214,7 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
                 bar.update(1)
     states = getattr(executor, "states", None)
     if states is not None:
-        states.apply(SchedulerOutput(step_id=step_id + 1, finished_req_ids=done))
+        states.apply(SchedulerOutput(finished_req_ids=done))
     if bar is not None:
         bar.close()
     return [Sample(shape, min(t)) for shape, t in zip(shapes, times)]
