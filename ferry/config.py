@@ -87,6 +87,21 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    # Priority policy only. A waiting request more urgent than a running one that cannot board
+    # (no KV blocks, no sequence slot, no budget) preempts the least urgent running request(s).
+    priority_preemption: bool = False
+    # Anti-thrashing: a request that was preempted is not a priority-preemption victim again
+    # until it has run this many steps since it boarded again.
+    priority_preemption_cooldown: int = 16
+    # Aging: each second since arrival improves a request's effective priority by this much
+    # (effective = priority - rate x seconds waited), so no request waits forever. 0: off.
+    priority_aging_rate: float = 0.0
+    # Caps on prompts mid-prefill at once (vLLM's names; vLLM V1 does not enforce the first two).
+    # None: no cap (vLLM's default of 1 would mean one prompt at a time).
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None  # of those, how many "long" ones
+    # A prompt with more tokens than this is "long", and no prefill chunk takes more. 0: off.
+    long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     scheduler: str = "continuous"  # "continuous" | "static"
     # Reuse the KV of full blocks whose prefix was computed before (the static baseline never does).
@@ -118,7 +133,45 @@ class EngineConfig:
         check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'")
         check(self.scheduler in ("continuous", "static"), "scheduler", "'continuous' or 'static'")
+        self._check_policies(check)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_policies(self, check: Any) -> None:
+        def positive_or_none(name: str) -> None:
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
+                  "an integer >= 1 (or unset: no cap)")
+
+        check(isinstance(self.priority_preemption_cooldown, int) and self.priority_preemption_cooldown >= 0,
+              "priority_preemption_cooldown", "an integer >= 0 (steps)")
+        check(self.priority_aging_rate >= 0, "priority_aging_rate", ">= 0 (priority levels per second)")
+        positive_or_none("max_num_partial_prefills")
+        positive_or_none("max_long_partial_prefills")
+        check(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
+              "long_prefill_token_threshold", "an integer >= 0 (0: off)")
+        if self.scheduling_policy != "priority":
+            for name in ("priority_preemption", "priority_aging_rate"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} needs scheduling_policy='priority' "
+                                     f"(got {self.scheduling_policy!r})")
+        if self.max_long_partial_prefills is not None and not self.long_prefill_token_threshold:
+            raise ValueError("max_long_partial_prefills needs long_prefill_token_threshold > 0 "
+                             "(the prompt length above which a prompt is long)")
+        if self.max_long_partial_prefills is not None and self.max_num_partial_prefills is not None \
+                and self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills})")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold caps prefill chunks: it needs enable_chunked_prefill")
+        if self.scheduler == "static":
+            for name in ("priority_preemption", "max_num_partial_prefills", "max_long_partial_prefills",
+                         "long_prefill_token_threshold"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} applies to the continuous scheduler, not scheduler='static'")
+
+    @property
+    def has_prefill_caps(self) -> bool:
+        return bool(self.max_num_partial_prefills or self.max_long_partial_prefills)
 
     def check_model_len(self) -> None:
         """Checks that need max_model_len resolved (after the model's config is read)."""

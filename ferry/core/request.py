@@ -58,6 +58,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    boarded_step: int = 0  # the scheduler step in which it last went from waiting to running
     num_recomputed_tokens: int = 0  # tokens whose KV was computed, dropped by preemption, computed again
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     # A stop token id, a stop string (set through the scheduler's finish path by the output

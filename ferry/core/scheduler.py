@@ -20,7 +20,7 @@ from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager, blocks_for
 from ferry.core.ngram import propose_ngram
 from ferry.core.outputs import ModelRunnerOutput, NewRequest, ScheduledChunk, SchedulerOutput
-from ferry.core.queues import make_queue
+from ferry.core.queues import make_queue, priority_key
 from ferry.core.request import Request, RequestStatus
 
 
@@ -35,11 +35,16 @@ class Scheduler:
         self.budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
-        self.waiting = make_queue(config.scheduling_policy)
+        self.waiting = make_queue(config.scheduling_policy, config.priority_aging_rate)
+        # Partial-prefill caps (None: none), and the most tokens one prefill chunk may take.
+        self.max_partial = config.max_num_partial_prefills
+        self.max_long = config.max_long_partial_prefills
+        self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.spec = config.speculative_config
         self.num_preemptions = 0
+        self.num_steps = 0
         self.num_drafts = 0  # verify steps with drafts, summed over requests
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -113,6 +118,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """Decide this step's boarding list."""
+        self.num_steps += 1
         budget = self.budget
         out = SchedulerOutput(finished_req_ids=self._take_finished())
         scheduled: dict[str, int] = {}
@@ -124,7 +130,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             need = len(req.all_token_ids) - req.num_computed_tokens
-            num = min(need, budget)
+            num = min(need, budget, self.chunk_cap if need > 1 else 1)
             if self.spec is not None:
                 req.spec_token_ids = self._draft(req, budget) if num == need == 1 else []
                 num += len(req.spec_token_ids)
@@ -135,39 +141,18 @@ class Scheduler:
                     continue
                 victim = max(self.running, key=self._victim_key)
                 budget += scheduled.pop(victim.request_id, 0)
-                self._preempt(victim)
-                out.preempted_req_ids.append(victim.request_id)
+                self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
                 scheduled[req.request_id] = num
                 budget -= num
 
-        # Second priority: board waiting requests with what budget is left,
-        # unless this step had to preempt (memory is short; let it drain).
-        # A request starts past its longest cached prefix: those tokens need no compute.
-        if not out.preempted_req_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting.peek()
-                cached = self.kv.find_cached(req)
-                num_cached = len(cached) * self.kv.block_size
-                need = req.num_tokens - num_cached
-                if not self.config.enable_chunked_prefill and need > budget:
-                    break
-                num = min(need, budget)
-                if self.kv.allocate_slots(req, num, cached) is None:
-                    break
-                self.kv.record_lookup(req, num_cached)
-                req.num_computed_tokens = num_cached
-                self.waiting.pop()
-                if req.times.first_scheduled is None:
-                    req.times.first_scheduled = self.clock()
-                    req.num_cached_tokens = num_cached
-                    out.new_requests.append(self._new_request(req))
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled[req.request_id] = num
-                budget -= num
+        # Second priority: board waiting requests with what budget is left. After a preemption
+        # for memory nobody boards in that step (let memory drain), except, with priority
+        # preemption, requests more urgent than everyone preempted.
+        if not out.preempted_req_ids or self.config.priority_preemption:
+            self._board_waiting(out, scheduled, budget)
 
         self._in_flight = {}
         for req in self.running:
@@ -176,6 +161,107 @@ class Scheduler:
                 out.chunks.append(self._advance(req, num))
         out.num_kv_blocks_used = self.kv.pool.num_used
         return out
+
+    def _board_waiting(self, out: SchedulerOutput, scheduled: dict[str, int], budget: int) -> None:
+        """Board waiting requests in queue order while budget, sequence slots and blocks last.
+
+        A request starts past its longest cached prefix: those tokens need no compute. Partial-
+        prefill caps: when as many prompts as allowed are mid-prefill nobody more boards; a long
+        prompt over the long cap is skipped (shorter ones behind it may board). Priority
+        preemption: a request that cannot board preempts the least urgent running request less
+        urgent than itself, and tries again.
+        """
+        caps = self.config.has_prefill_caps
+        prefills, long_prefills = self._count_prefills() if caps else (0, 0)
+        skipped: list[Request] = []
+        while self.waiting:
+            req = self.waiting.peek()
+            if req.request_id in out.preempted_req_ids:
+                break  # preempted in this step: it waits for the next one
+            cached = self.kv.find_cached(req)
+            num_cached = len(cached) * self.kv.block_size
+            need = req.num_tokens - num_cached
+            is_prefill, is_long = need > 1, self._is_long(req)
+            if caps and is_prefill:
+                if self.max_partial is not None and prefills >= self.max_partial:
+                    break
+                if is_long and self.max_long is not None and long_prefills >= self.max_long:
+                    skipped.append(self.waiting.pop())
+                    continue
+            num = min(need, budget, self.chunk_cap)
+            if ((not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)) and budget > 0 and len(self.running) < self.max_num_seqs
+                    and (self.config.enable_chunked_prefill or need <= budget)
+                    and self.kv.allocate_slots(req, num, cached) is not None):
+                self._admit(req, num_cached, out)
+                scheduled[req.request_id] = num
+                budget -= num
+                prefills += is_prefill
+                long_prefills += is_prefill and is_long
+                continue
+            victim = self._priority_victim(req, budget, scheduled, cached)
+            if victim is None:
+                break
+            budget += scheduled.pop(victim.request_id, 0)
+            self._preempt(victim, out)
+            if caps:
+                prefills, long_prefills = self._count_prefills()
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
+
+    def _more_urgent_than_preempted(self, req: Request, out: SchedulerOutput) -> bool:
+        key = self._victim_key(req)
+        return self.config.priority_preemption and all(
+            self._victim_key(self.requests[rid]) > key for rid in out.preempted_req_ids)
+
+    def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
+        self.kv.record_lookup(req, num_cached)
+        req.num_computed_tokens = num_cached
+        self.waiting.pop()
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = self.clock()
+            req.num_cached_tokens = num_cached
+            out.new_requests.append(self._new_request(req))
+        req.status = RequestStatus.RUNNING
+        req.boarded_step = self.num_steps
+        self.running.append(req)
+
+    def _is_long(self, req: Request) -> bool:
+        return 0 < self.config.long_prefill_token_threshold < req.num_tokens
+
+    def _count_prefills(self) -> tuple[int, int]:
+        """Running requests mid-prefill (more than one token to compute), and how many are long."""
+        mid = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        return len(mid), sum(1 for r in mid if self._is_long(r))
+
+    def _priority_victim(self, req: Request, budget: int, scheduled: dict[str, int],
+                         cached: list[int]) -> Request | None:
+        """The running request ``req`` may preempt to board, or None.
+
+        Candidates: running requests less urgent than ``req`` and not protected by the cooldown
+        (a request preempted before cannot be preempted again until it has run
+        ``priority_preemption_cooldown`` steps). None as well when preempting all of them would
+        still leave ``req`` no token of budget or no block, so nobody is preempted for nothing.
+        """
+        if not self.config.priority_preemption:
+            return None
+        key, cooldown = self._victim_key(req), self.config.priority_preemption_cooldown
+        candidates = [r for r in self.running if self._victim_key(r) > key
+                      and (r.num_preemptions == 0 or self.num_steps - r.boarded_step >= cooldown)]
+        if not candidates:
+            return None
+        room_budget = budget + sum(scheduled.get(r.request_id, 0) for r in candidates)
+        ref = self.kv.pool.ref_counts
+        room_blocks = self.kv.pool.num_free + sum(1 for r in candidates
+                                                  for b in self.kv.block_tables.get(r.request_id, ()) if ref[b] == 1)
+        first = min(req.num_tokens - len(cached) * self.kv.block_size, room_budget, self.chunk_cap)
+        if not self.config.enable_chunked_prefill:
+            first = req.num_tokens - len(cached) * self.kv.block_size
+            if first > room_budget:
+                return None
+        if room_budget <= 0 or blocks_for(len(cached) * self.kv.block_size + first, self.kv.block_size) \
+                - len(cached) > room_blocks:
+            return None
+        return max(candidates, key=self._victim_key)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request: as many as the budget, max_tokens and max_model_len
@@ -215,11 +301,12 @@ class Scheduler:
     def _victim_key(self, req: Request) -> tuple:
         # The last-arrived goes first; under "priority", the least urgent first.
         if self.config.scheduling_policy == "priority":
-            return (req.priority, req.arrival_time, req.seq)
+            return priority_key(req, self.config.priority_aging_rate)
         return (req.seq,)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: free blocks, forget progress, back to the queue head."""
+        out.preempted_req_ids.append(req.request_id)
         self.running.remove(req)
         self.kv.free(req)
         req.num_recomputed_tokens += req.num_computed_tokens  # work that will be done again
