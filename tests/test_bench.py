@@ -166,13 +166,22 @@ def test_seed_report_has_every_section(tmp_path):
                                   factory=FakeEngineFactory(), mixed_path=None)
     text = report.read_text()
     for heading in ("## (a) Static vs continuous", "## (b) Long prefills", "## (c) The token budget",
-                    "## (d) FCFS vs priority"):
+                    "## (d) FCFS vs priority", "## (f) Policies ferry enforces: urgent",
+                    "## (f) Policies ferry enforces: short prompts"):
         assert heading in text
     lens = seed_case_lengths(QUICK.seed_n, QUICK.seed_mean, QUICK.seed_max)
     assert f"= {1 - sum(lens) / (len(lens) * max(lens)):.1%}" in text
     images = [line[line.rindex("](") + 2:-1] for line in text.splitlines() if line.startswith("![")]
-    assert len(images) == 8
+    assert len(images) == 10
     assert all(_png(tmp_path / name) for name in images)
+    # (f) on its own: priority preemption gives urgent requests their first token sooner than the
+    # priority policy alone, and the caps give short prompts theirs sooner than no caps.
+    report = run_seed_experiments(EngineConfig(), tmp_path / "f", quick=True, progress=False,
+                                  factory=FakeEngineFactory(), plots=False, only="f")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in report.read_text().splitlines()
+            if line.startswith("| ") and line[2:3].isalpha()}
+    assert float(rows["priority + preemption"][1]) < float(rows["priority"][1])
+    assert float(rows[f"threshold {QUICK.caps_threshold}, 1 long, 4 partial"][1]) < float(rows["no caps"][1])
 
 
 # ---------------------------------------------------------------- the commands, on the embedded model

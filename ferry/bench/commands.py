@@ -180,7 +180,7 @@ def cmd_bench_seed(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.seed_experiments import run_seed_experiments
 
     report = run_seed_experiments(config, args.out, quick=args.quick, progress=not args.no_progress,
-                                  mixed_path=args.mixed_workload, plots=not args.no_plots)
+                                  mixed_path=args.mixed_workload, plots=not args.no_plots, only=args.only)
     print(f"wrote {report}")
     return 0
 
@@ -244,10 +244,11 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--output-json")
     add_engine_args(p)
     p.set_defaults(func=run(cmd_bench_accuracy))
-    p = bsub.add_parser("seed", help="the seed's experiments (a)-(d) on this engine: DIR/report.md and plots")
+    p = bsub.add_parser("seed", help="the seed's experiments (a)-(d) and the policies (f) on this engine: DIR/report.md and plots")
     p.add_argument("--out", required=True, help="directory for report.md and the plots")
     p.add_argument("--quick", action="store_true", help="small versions of every experiment (a minute)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--only", default="abcdef", help="which experiments, e.g. 'f' or 'ad' (default: all)")
     p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED),
                    help="the mixed-lengths workload of experiment (a) (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")

@@ -45,6 +45,18 @@ class Scale:
     overload_rate: float = 4.0
     overload_seqs: int = 8
     use_mixed: bool = True
+    # (f) policies: normal requests filling max_num_seqs, urgent ones arriving every urgent_every s
+    policy_normal_n: int = 24
+    policy_normal_out: int = 96
+    policy_seqs: int = 8
+    urgent_n: int = 8
+    urgent_every: float = 1.0
+    # ... and short prompts arriving behind long ones, with and without the partial-prefill caps
+    caps_long: tuple[int, ...] = (1500, 1500)
+    caps_short_n: int = 8
+    caps_short_every: float = 0.25
+    caps_threshold: int = 128
+    caps_budget: int = 512
     # (e), simulation only: request rates at which to compare throughput at equal latency
     equal_latency_rates: tuple[float, ...] = ()
     equal_latency_n: int = 400
@@ -53,7 +65,10 @@ class Scale:
 QUICK = Scale(longtail_n=8, longtail_out=24, seed_n=8, seed_mean=12, seed_max=60, static_batch=4,
               decoders=4, decoder_out=40, long_prompts=(300, 400), long_every=0.5, no_chunk_budget=512,
               chunk_budgets=(64,), sweep_n=8, sweep_in=64, sweep_out=16, sweep_rate=8.0,
-              sweep_budgets=(32, 128), overload_n=12, overload_rate=20.0, overload_seqs=3, use_mixed=False)
+              sweep_budgets=(32, 128), overload_n=12, overload_rate=20.0, overload_seqs=3, use_mixed=False,
+              policy_normal_n=6, policy_normal_out=24, policy_seqs=2, urgent_n=3, urgent_every=0.3,
+              caps_long=(300, 300), caps_short_n=3, caps_short_every=0.1, caps_threshold=32,
+              caps_budget=128)
 
 
 # Sizes for a big model on a big GPU (ferry simulate seed): thousands of requests, 64-request static batches.
@@ -62,7 +77,9 @@ GPU = Scale(longtail_n=1000, longtail_out=200, static_batch=64, decoders=64, dec
             no_chunk_budget=8192, chunk_budgets=(2048, 512), sweep_n=1000, sweep_in=512, sweep_out=256,
             sweep_rate=20.0, sweep_budgets=(256, 512, 1024, 2048, 4096, 8192), overload_n=2000,
             overload_rate=300.0, overload_seqs=64, equal_latency_rates=(1, 2, 4, 8, 16, 32, 64, 128),
-            equal_latency_n=1000)
+            equal_latency_n=1000, policy_normal_n=512, policy_normal_out=512, policy_seqs=128, urgent_n=40,
+            urgent_every=0.25, caps_long=(16000, 16000, 16000, 16000), caps_short_n=64, caps_short_every=0.05,
+            caps_threshold=1024, caps_budget=8192)
 
 
 def seed_case_lengths(n: int, mean: int, longest: int, seed: int = 0) -> list[int]:
@@ -117,8 +134,9 @@ class Report:
 def run_seed_experiments(base: EngineConfig, out_dir: str | Path, quick: bool = False, progress: bool = True,
                          factory: Any = None, mixed_path: str | Path | None = DEFAULT_MIXED,
                          title: str = "ferry: the seed's experiments on the real engine",
-                         scale: Scale | None = None, plots: bool = True) -> Path:
-    """Run (a)-(d) and write ``out_dir/report.md``; returns its path."""
+                         scale: Scale | None = None, plots: bool = True, only: str = "abcdef") -> Path:
+    """Run (a)-(d) and (f) ((e) too at a scale that asks for it; ``only`` picks some) and write
+    ``out_dir/report.md``; returns its path."""
     scale = scale or (QUICK if quick else Scale())
     factory = factory or EngineFactory()
     rep = Report(out_dir, plots)
@@ -134,12 +152,19 @@ def run_seed_experiments(base: EngineConfig, out_dir: str | Path, quick: bool = 
             f"block_size={base.block_size}, {probe.num_kv_blocks} KV blocks"
             + (" (quick sizes)" if quick else "") + ". Every request is greedy with ignore_eos, so it "
             "generates exactly max_tokens. Figures are what this run measured.", "")
-    _static_vs_continuous(rep, base, scale, run, vocab, mixed_path)
-    _interference(rep, base, scale, run, vocab)
-    _budget_sweep(rep, base, scale, run, vocab)
-    _priority(rep, base, scale, run, vocab)
-    if scale.equal_latency_rates:
+    if "a" in only:
+        _static_vs_continuous(rep, base, scale, run, vocab, mixed_path)
+    if "b" in only:
+        _interference(rep, base, scale, run, vocab)
+    if "c" in only:
+        _budget_sweep(rep, base, scale, run, vocab)
+    if "d" in only:
+        _priority(rep, base, scale, run, vocab)
+    if "e" in only and scale.equal_latency_rates:
         _equal_latency(rep, base, scale, run, vocab)
+    if "f" in only:
+        _urgent_preemption(rep, base, scale, run, vocab)
+        _prefill_caps(rep, base, scale, run, vocab)
     return rep.write()
 
 
@@ -335,3 +360,74 @@ def _equal_latency(rep: Report, base: EngineConfig, s: Scale, run, vocab: int) -
             + (f"{st:.0f} tok/s: {c / st:.1f}x." if st else "never within the target at these rates.")
             + f" Highest throughput at any latency: continuous {top['continuous']:.0f} tok/s, static "
             f"{top['static']:.0f} tok/s ({top['continuous'] / top['static']:.1f}x).", "")
+
+
+# ---------------------------------------------------------------- (f)
+def _urgent_preemption(rep: Report, base: EngineConfig, s: Scale, run, vocab: int) -> None:
+    rep.add("## (f) Policies ferry enforces: urgent requests preempting running work", "",
+            f"{s.policy_normal_n} normal requests (priority 1, {s.policy_normal_out} output tokens) fill "
+            f"max_num_seqs={s.policy_seqs} from the start; {s.urgent_n} urgent requests (priority 0, 16 output "
+            f"tokens) arrive every {s.urgent_every:g} s. Under FCFS and under the priority policy alone (vLLM V1's "
+            "behaviour) an urgent request waits for a running request to finish; with --priority-preemption it "
+            "preempts the least urgent running one (recomputed later: that is the normal requests' cost). "
+            "The cooldown (16 steps) keeps a preempted request from being preempted again at once.", "")
+    rng = random.Random(7)
+    normal = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(64)], s.policy_normal_out, priority=1)
+              for _ in range(s.policy_normal_n)]
+    urgent = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(32)], 16, priority=0,
+                              arrival_time=s.urgent_every * (i + 1)) for i in range(s.urgent_n)]
+    reqs = normal + urgent
+    n = len(normal)
+    configs = [("fcfs", dict(scheduling_policy="fcfs")),
+               ("priority", dict(scheduling_policy="priority")),
+               ("priority + preemption", dict(scheduling_policy="priority", priority_preemption=True)),
+               ("priority + preemption + aging 0.1/s", dict(scheduling_policy="priority", priority_preemption=True,
+                                                            priority_aging_rate=0.1))]
+    rows, class_runs = [], []
+    for label, kw in configs:
+        r = run(engine_config(base, max_num_seqs=s.policy_seqs, **kw), reqs, label)
+        hi = summarize(r.outputs[n:], r.metrics.duration)
+        lo = summarize(r.outputs[:n], r.metrics.duration)
+        class_runs.append(replace(r, metrics=hi, label=f"urgent, {label}"))
+        rows.append([label, _ms(hi.stat("ttft", "mean")), _ms(hi.stat("ttft", "p99")), _ms(hi.stat("e2el", "mean")),
+                     _ms(lo.stat("ttft", "mean")), _ms(lo.stat("e2el", "mean")), _ms(lo.stat("e2el", "max")),
+                     f"{r.metrics.duration:.1f}", r.metrics.num_preemptions, r.metrics.num_recomputed_tokens])
+    rep.table(["configuration", "urgent mean TTFT (ms)", "urgent p99 TTFT", "urgent mean E2E", "normal mean TTFT",
+               "normal mean E2E (ms)", "normal max E2E", "duration (s)", "preemptions", "recomputed tokens"], rows)
+    rep.image("f-urgent-cdf.png", lambda p: plots.plot_cdfs(class_runs, p), "urgent requests' latency by policy")
+
+
+def _prefill_caps(rep: Report, base: EngineConfig, s: Scale, run, vocab: int) -> None:
+    rep.add("## (f) Policies ferry enforces: short prompts behind long ones", "",
+            f"{len(s.caps_long)} long prompts ({', '.join(map(str, s.caps_long))} tokens) arrive at once; then "
+            f"{s.caps_short_n} short prompts (32 tokens, 16 output tokens) every {s.caps_short_every:g} s; "
+            f"max_num_batched_tokens={s.caps_budget}. Without caps a "
+            "running long prefill takes the whole budget each step and the short prompts wait. "
+            f"--long-prefill-token-threshold {s.caps_threshold} caps every prefill chunk (the rest of the budget "
+            "is left to others) and marks the long prompts; --max-long-partial-prefills 1 lets one long prompt "
+            "prefill at a time, the short ones passing the second; --max-num-partial-prefills bounds how many "
+            "prompts prefill at once.", "")
+    rng = random.Random(8)
+    longs = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(n)], 16) for n in s.caps_long]
+    shorts = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(32)], 16,
+                              arrival_time=s.caps_short_every * (i + 1)) for i in range(s.caps_short_n)]
+    n = len(longs)
+    max_len = max(s.caps_long) + 16
+    t = s.caps_threshold
+    configs = [("no caps", {}),
+               (f"threshold {t}", dict(long_prefill_token_threshold=t)),
+               (f"threshold {t}, 1 long, 4 partial", dict(long_prefill_token_threshold=t, max_long_partial_prefills=1,
+                                                          max_num_partial_prefills=4))]
+    rows, class_runs = [], []
+    for label, kw in configs:
+        r = run(engine_config(base, max_model_len=max_len, max_num_batched_tokens=s.caps_budget, **kw),
+                longs + shorts, label)
+        short = summarize(r.outputs[n:], r.metrics.duration)
+        long = summarize(r.outputs[:n], r.metrics.duration)
+        class_runs.append(replace(r, metrics=short, label=f"short prompts, {label}"))
+        rows.append([label, _ms(short.stat("ttft", "mean")), _ms(short.stat("ttft", "p99")),
+                     _ms(long.stat("ttft", "mean")), _ms(long.stat("ttft", "max")), f"{r.metrics.duration:.1f}",
+                     f"{r.metrics.output_throughput:.1f}"])
+    rep.table(["configuration", "short mean TTFT (ms)", "short p99 TTFT", "long mean TTFT (ms)", "long max TTFT",
+               "duration (s)", "output tok/s"], rows)
+    rep.image("f-caps-cdf.png", lambda p: plots.plot_cdfs(class_runs, p), "short prompts' latency with and without caps")

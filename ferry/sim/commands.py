@@ -33,7 +33,7 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
             raise ValueError("ferry simulate seed needs --out DIR")
         report = run_seed_experiments(
             config, args.out, progress=False, factory=factory, mixed_path=args.mixed_workload,
-            scale=QUICK if args.quick else GPU, plots=not args.no_plots,
+            scale=QUICK if args.quick else GPU, plots=not args.no_plots, only=args.only,
             title=f"ferry simulate: the seed's experiments, {args.model or 'smollm2-135m'} on "
                   f"{args.tensor_parallel_size} x {factory.hw.name} (simulated)")
         print(f"wrote {report}")
@@ -170,6 +170,7 @@ def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--samples-json", help="calibrate: also write the measured steps here")
     p.add_argument("--quick", action="store_true", help="seed: small sizes")
     p.add_argument("--no-plots", action="store_true", help="seed: tables only")
+    p.add_argument("--only", default="abcdef", help="seed: which experiments, e.g. 'f' (default: all)")
     p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="seed: the mixed-lengths workload")
     _add_sim_args(p)
     add_engine_args(p)
