@@ -43,10 +43,25 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int = 32000) -> lis
 
 
 def write_json(path: str | None, data: Any) -> None:
+    """Indented JSON; a dict's "steps" list (thousands of records) is written one record a line."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, default=_json_default))
+        steps = data.get("steps") if isinstance(data, dict) else None
+        if steps is None:
+            text = json.dumps(data, indent=2, default=_json_default)
+        else:
+            text = json.dumps({k: v for k, v in data.items() if k != "steps"}, indent=2, default=_json_default)
+            lines = ",\n".join("    " + json.dumps(r, separators=(",", ":")) for r in steps)
+            text = text[:-2] + (",\n" if len(data) > 1 else "\n") + f'  "steps": [\n{lines}\n  ]\n}}'
+        Path(path).write_text(text)
         print(f"wrote {path}")
+
+
+def step_records(runs: list[Any]) -> list[dict[str, Any]]:
+    """Every step of these runs as calibration reads it (``ferry simulate calibrate --from-run``):
+    wall time (s), LM-head rows, (num_tokens, start) per chunk."""
+    return [{"run": i, "wall": round(s.wall, 6), "rows": s.num_sampling_rows, "chunks": s.shape}
+            for i, r in enumerate(runs) for s in r.steps]
 
 
 def _json_default(v: Any) -> Any:
@@ -92,7 +107,8 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
         print(f"\nstep profile (all {len(runs)} run(s); each part includes the Python around it):")
         print(profiler.table())
     write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs],
-                                   **({"profile": profiler.to_dict()} if profiler is not None else {})})
+                                   **({"profile": profiler.to_dict()} if profiler is not None else {}),
+                                   "num_kv_blocks": engine.num_kv_blocks, "steps": step_records(runs)})
     if args.plot:
         paths = plot_run(mid, args.plot, args.bench_command)
         plot_cdfs([mid], Path(args.plot) / f"{args.bench_command}-cdf.png")

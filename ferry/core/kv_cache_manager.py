@@ -81,6 +81,8 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id)
         if table is None:
             table = self.block_tables[request.request_id] = []
+        elif not cached and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return []  # the common decode step: room in the last block
         computed = request.num_computed_tokens + (len(cached) * self.block_size if cached else 0)
         needed = blocks_for(computed + num_new_tokens, self.block_size) - len(table) - (len(cached) if cached else 0)
         # Cached blocks nobody holds are counted free: reusing them takes them from the pool too.
@@ -94,7 +96,7 @@ class KVCacheManager:
             self.pool.touch(cached)
             table.extend(cached)
         if needed <= 0:
-            return []  # the common decode step: room in the last block
+            return []
         new = self.pool.take(needed)
         assert new is not None
         table.extend(new)

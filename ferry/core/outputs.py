@@ -7,6 +7,7 @@ table, grammar matcher) between steps, so a step could run in another thread or 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ class NewRequest:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """``num_tokens`` tokens of request ``request_id`` starting at position ``start``.
 
@@ -84,6 +85,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @functools.cached_property
+    def cost_shape(self) -> tuple[tuple[tuple[int, int], ...], int]:
+        """What the step costs, as the cost model reads it: (num_tokens, start) per chunk, and the
+        rows that go through the LM head (one per sampling chunk, ``1 + k`` for a verify chunk;
+        padding rows sample nothing). Read by the simulated executor and the step's statistics."""
+        chunks = tuple([(c.num_tokens, c.start) for c in self.chunks])
+        rows = sum([1 + len(c.spec_token_ids) for c in self.chunks if c.samples and not c.padding])
+        return chunks, rows
 
 
 @dataclass

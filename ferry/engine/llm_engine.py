@@ -145,6 +145,7 @@ class LLMEngine:
         if prof is not None:
             prof.start()
         tick = no_tick if prof is None else prof.tick
+        begin = self.clock()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -157,6 +158,7 @@ class LLMEngine:
         tick("update")
         stats = self._record_step(out, start, spec_before)
         outputs = self.output_processor.process(changed, result, finished_only)
+        stats.wall = self.clock() - begin
         if prof is not None:
             tick("outputs")
             prof.finish(step_shape(stats.num_decode_tokens, stats.num_prefill_tokens + stats.num_padding_tokens))
@@ -229,6 +231,7 @@ class LLMEngine:
             decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
             preempted_ids=tuple(out.preempted_req_ids), num_drafts=drafts, num_draft_tokens=draft_tokens,
             num_accepted_tokens=accepted)
+        stats.shape, stats.num_sampling_rows = out.cost_shape
         self.step_stats.append(stats)
         return stats
 

@@ -18,6 +18,11 @@ class StepStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The step's composition as the cost model reads it ((num_tokens, start) per chunk, LM-head
+    # rows) and its whole wall time, scheduling and outputs included: what calibration fits.
+    shape: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    num_sampling_rows: int = 0
+    wall: float = 0.0
     # Who was in the step and how: the request timeline is drawn from these.
     prefill_ids: tuple[str, ...] = field(default=(), repr=False)
     decode_ids: tuple[str, ...] = field(default=(), repr=False)

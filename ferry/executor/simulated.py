@@ -27,16 +27,10 @@ class SimulatedExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         sampled = {}
-        rows = 0
         for c in out.chunks:
             if c.samples and not c.padding:
-                if c.spec_token_ids:
-                    rows += 1 + len(c.spec_token_ids)
-                    sampled[c.request_id] = [0] * (1 + self._accepted(len(c.spec_token_ids)))
-                else:
-                    rows += 1
-                    sampled[c.request_id] = [0]
-        self.clock.advance(self.cost.step_time(((c.num_tokens, c.start) for c in out.chunks), rows))
+                sampled[c.request_id] = [0] * (1 + (self._accepted(len(c.spec_token_ids)) if c.spec_token_ids else 0))
+        self.clock.advance(self.cost.step_time(*out.cost_shape))
         return ModelRunnerOutput(sampled=sampled)
 
     def _accepted(self, k: int) -> int:

@@ -56,6 +56,8 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.executor.model_executor import ModelExecutor
     from ferry.sim.calibrate import calibration_shapes, fit_profile, measure_engine_overhead, measure_steps
 
+    if args.from_run:
+        return _calibrate_from_runs(args)
     if args.model in MODEL_PRESETS:
         config = replace(config, model=None)  # calibration runs the real model: the embedded one
     executor = ModelExecutor(config)
@@ -76,6 +78,33 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"{len(samples)} step shapes measured; fit: linear {hw.flops / 1e9:.1f} GFLOP/s, attention "
           f"{hw.attn_flops / 1e9:.1f} GFLOP/s, memory {hw.bandwidth / 1e9:.1f} GB/s, "
           f"step overhead {hw.step_overhead_ms:.2f} ms, per request {hw.per_request_overhead_ms:.3f} ms; "
+          f"median error {err:.1%}")
+    print(f"wrote {out}: use it with --hardware {out}")
+    return 0
+
+
+def _calibrate_from_runs(args: argparse.Namespace) -> int:
+    """Fit a profile to the steps of ordinary benchmark runs: their wall time is everything the
+    engine does per step, so no separate overhead measurement is needed."""
+    from ferry.sim.calibrate import fit_profile, samples_from_runs
+    from ferry.sim.models import load_model_config
+
+    samples, settings = samples_from_runs(args.from_run)
+    model = args.model or settings["model"] or "smollm2-135m"  # the embedded model: SmolLM2-135M's shapes
+    try:
+        model_config = load_model_config(model)
+    except ValueError as e:
+        raise ValueError(f"{e}; give the run's model shapes with --model") from None
+    dtype_bytes = 2 if settings["dtype"] in ("bfloat16", "float16") else 4  # "auto" on the CPU is float32
+    name = f"calibrated-{socket.gethostname()}-from-runs"
+    kv_gb = settings["kv_cache_memory_gb"]
+    hw, err = fit_profile(model_config, samples, name, dtype_bytes, memory_gb=kv_gb, kv_cache_memory_gb=kv_gb)
+    out = Path(args.out or "ferry-profile.json")
+    hw.save(out)
+    print(f"{len(samples)} steps from {len(args.from_run)} run(s); robust fit: linear {hw.flops / 1e9:.1f} GFLOP/s, "
+          f"attention {hw.attn_flops / 1e9:.1f} GFLOP/s, memory {hw.bandwidth / 1e9:.1f} GB/s, context gather "
+          f"{hw.context_gather_gbs:.1f} GB/s, overlap {hw.overlap:g},\n  step overhead {hw.step_overhead_ms:.2f} ms, "
+          f"per request {hw.per_request_overhead_ms:.3f} ms, per prefill chunk {hw.per_prefill_chunk_ms:.2f} ms; "
           f"median error {err:.1%}")
     print(f"wrote {out}: use it with --hardware {out}")
     return 0
@@ -165,6 +194,9 @@ def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--num-runs", type=int, default=1, help=argparse.SUPPRESS)
     add_output_args(p)
     p.add_argument("--out", help="calibrate: the profile JSON to write; seed: the report directory")
+    p.add_argument("--from-run", nargs="+", metavar="RUN.json",
+                   help="calibrate: fit to the steps of these runs (ferry bench offline|online --output-json) "
+                        "instead of timing synthetic step shapes")
     p.add_argument("--reps", type=int, default=3, help="calibrate: timed repetitions per step shape and pass")
     p.add_argument("--passes", type=int, default=2, help="calibrate: measuring passes over all shapes")
     p.add_argument("--samples-json", help="calibrate: also write the measured steps here")

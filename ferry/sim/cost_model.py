@@ -8,12 +8,19 @@ sampling, and per chunk n new tokens after ``start`` cached ones:
     attention = roof(sum 4 * L * H * d * n * (start + (n + 1) / 2) / F_attn,
                      sum 2 * L * H_kv * d * b * (start + n) / B)  (K and V read for every chunk)
     lm head   = roof(2 * h * V * S / F,  h * V * b / B)          only rows that sample
+    gather    = sum over prefill chunks (n > 1) of 2 * L * H_kv * d * b * start / G
     comm      = 2 * L * (latency + 2 * (tp - 1) / tp * T * h * b / link)   with tensor parallelism
-    time      = overhead + per_request * R + linear + attention + lm head + comm
+    time      = overhead + per_request * R + per_prefill_chunk * R_prefill
+                + linear + attention + lm head + gather + comm
 
 roof(c, m) = max(c, m) + (1 - overlap) * min(c, m): the roofline when compute and memory
 traffic overlap (overlap = 1, a GPU), their sum when they do not (overlap = 0).
-F, F_attn and B are achievable rates (peak x efficiency); b bytes per value.
+F, F_attn and B are achievable rates (peak x efficiency); b bytes per value. G is the rate at
+which an engine copies a prefill chunk's cached context before attending to it (ferry's CPU
+path does; GPU kernels read the paged cache in place: no G, no term). R_prefill counts chunks of
+more than one token: an engine whose prefill path differs from its decode path (ferry's CPU
+engine runs decodes in one fused C call per layer, prefills through torch) pays a fixed cost
+for each.
 Tensor parallelism divides FLOPs and bytes by tp. See docs/simulator.md for the limits.
 """
 from __future__ import annotations
@@ -35,8 +42,10 @@ class StepTerms:
     kv_bytes: float
     head_flops: float
     head_bytes: float
+    gather_bytes: float  # cached context of prefill chunks that follow earlier chunks
     num_tokens: int
     num_requests: int
+    num_prefill_chunks: int = 0
 
 
 class CostModel:
@@ -59,13 +68,16 @@ class CostModel:
 
     def terms(self, chunks: Iterable[tuple[int, int]], num_sampling: int) -> StepTerms:
         """``chunks``: (num_tokens, start) per request in the step."""
-        tokens = requests = 0
-        attn = ctx = 0.0
+        tokens = requests = prefills = 0
+        attn = ctx = gather = 0.0
         for n, start in chunks:
             tokens += n
             requests += 1
             attn += n * (start + (n + 1) / 2)
             ctx += start + n
+            if n > 1:
+                gather += start
+                prefills += 1
         tp, b = self.tp, self.hw.dtype_bytes
         return StepTerms(
             linear_flops=2 * self.linear_params * tokens / tp,
@@ -74,12 +86,14 @@ class CostModel:
             kv_bytes=self.kv_bytes_per_token * ctx / tp,
             head_flops=2 * self.head_params * num_sampling / tp,
             head_bytes=self.head_params * b / tp if num_sampling else 0.0,
-            num_tokens=tokens, num_requests=requests)
+            gather_bytes=self.kv_bytes_per_token * gather / tp, num_tokens=tokens, num_requests=requests,
+            num_prefill_chunks=prefills)
 
     def time(self, t: StepTerms) -> float:
         hw = self.hw
         f, fa, bw = hw.flops, hw.attn_flops, hw.bandwidth
-        sec = hw.step_overhead_ms * 1e-3 + hw.per_request_overhead_ms * 1e-3 * t.num_requests
+        sec = 1e-3 * (hw.step_overhead_ms + hw.per_request_overhead_ms * t.num_requests
+                      + hw.per_prefill_chunk_ms * t.num_prefill_chunks)
         ov = hw.overlap
 
         def roof(c: float, m: float) -> float:
@@ -88,6 +102,8 @@ class CostModel:
         sec += roof(t.linear_flops / f, t.weight_bytes / bw)
         sec += roof(t.attn_flops / fa, t.kv_bytes / bw)
         sec += roof(t.head_flops / f, t.head_bytes / bw)
+        if hw.context_gather_gbs:
+            sec += t.gather_bytes / (hw.context_gather_gbs * 1e9)
         if self.tp > 1:
             link = hw.interconnect_gbs * 1e9
             if link <= 0:

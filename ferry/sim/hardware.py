@@ -24,12 +24,16 @@ class Hardware:
     bw_efficiency: float = 0.8
     step_overhead_ms: float = 2.0  # scheduling, launch, sampling: paid once per step
     per_request_overhead_ms: float = 0.01  # per request in the step (metadata, sampling)
+    per_prefill_chunk_ms: float = 0.0  # per chunk of more than one token (a separate prefill path)
     interconnect_gbs: float = 0.0  # per-device link bandwidth for tensor-parallel all-reduce
     allreduce_latency_us: float = 10.0
     kv_cache_memory_gb: float | None = None  # fixed KV size (as a CPU engine is told) instead of memory - weights
     # How far compute and memory traffic hide each other: 1 is the pure roofline max(c, m) (a GPU
     # streaming weights while its tensor cores work); 0 means they add up (c + m).
     overlap: float = 1.0
+    # GB/s at which a prefill chunk's cached context is copied before attention (an engine that
+    # gathers it, as ferry's CPU path does); 0: no copy (GPU kernels read the paged cache in place).
+    context_gather_gbs: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -51,6 +55,8 @@ class Hardware:
 
 # bf16 dense peaks and HBM bandwidths from the vendors' datasheets; NVLink per-GPU bandwidth one way.
 PRESETS: dict[str, Hardware] = {
+    "a100-40gb": Hardware("a100-40gb", peak_tflops=312, mem_bandwidth_gbs=1555, memory_gb=40,
+                          interconnect_gbs=300),
     "a100-80gb": Hardware("a100-80gb", peak_tflops=312, mem_bandwidth_gbs=2039, memory_gb=80,
                           interconnect_gbs=300),
     "h100-sxm": Hardware("h100-sxm", peak_tflops=989, mem_bandwidth_gbs=3350, memory_gb=80,
