@@ -124,17 +124,19 @@ class Scheduler:
         scheduled: dict[str, int] = {}
 
         # First priority: keep the running requests moving.
+        # (Locals: this loop runs for every running request every step.)
+        running, spec, allocate, chunk_cap = RequestStatus.RUNNING, self.spec, self.kv.allocate_slots, self.chunk_cap
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
             need = len(req.all_token_ids) - req.num_computed_tokens
-            num = min(need, budget, self.chunk_cap if need > 1 else 1)
-            if self.spec is not None:
+            num = 1 if need == 1 else min(need, budget, chunk_cap)
+            if spec is not None:
                 req.spec_token_ids = self._draft(req, budget) if num == need == 1 else []
                 num += len(req.spec_token_ids)
-            while self.kv.allocate_slots(req, num) is None:
+            while allocate(req, num) is None:
                 if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
                     num -= len(req.spec_token_ids)
                     req.spec_token_ids = []
@@ -144,7 +146,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is req:
                     break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is running:
                 scheduled[req.request_id] = num
                 budget -= num
 
@@ -155,12 +157,31 @@ class Scheduler:
             self._board_waiting(out, scheduled, budget)
 
         self._in_flight = {}
-        for req in self.running:
-            num = scheduled.get(req.request_id)
-            if num:
-                out.chunks.append(self._advance(req, num))
+        self._advance(self.running, scheduled, out)
         out.num_kv_blocks_used = self.kv.pool.num_used
         return out
+
+    def _advance(self, reqs: list[Request], scheduled: dict[str, int], out: SchedulerOutput) -> None:
+        """Move each scheduled request's one counter by its tokens; a chunk each says where it ran
+        from (in ``reqs``' order). Runs for every running request every step: locals, no calls."""
+        in_flight, chunks, tables = self._in_flight, out.chunks, self.kv.block_tables
+        for req in reqs:
+            rid = req.request_id
+            num = scheduled.get(rid)
+            if not num:
+                continue
+            start = req.num_computed_tokens
+            req.num_computed_tokens = end = start + num
+            table = tables[rid]
+            if len(table) > req.num_blocks_sent:
+                new_block_ids = table[req.num_blocks_sent:]
+                req.num_blocks_sent = len(table)
+            else:
+                new_block_ids = []
+            in_flight[rid] = req
+            drafts = req.spec_token_ids
+            chunks.append(ScheduledChunk(rid, start, num, new_block_ids, end >= len(req.all_token_ids),
+                                         start >= len(req.prompt_token_ids) and num == 1 + len(drafts), drafts))
 
     def _board_waiting(self, out: SchedulerOutput, scheduled: dict[str, int], budget: int) -> None:
         """Board waiting requests in queue order while budget, sequence slots and blocks last.
@@ -282,22 +303,6 @@ class Scheduler:
     def _new_request(self, req: Request) -> NewRequest:
         return NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids)
 
-    def _advance(self, req: Request, num: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        req.num_computed_tokens = end = start + num
-        rid = req.request_id
-        table = self.kv.block_tables[rid]
-        if len(table) > req.num_blocks_sent:
-            new_block_ids = table[req.num_blocks_sent:]
-            req.num_blocks_sent = len(table)
-        else:
-            new_block_ids = []
-        self._in_flight[rid] = req
-        spec = req.spec_token_ids
-        # Positional: this runs for every request every step.
-        return ScheduledChunk(rid, start, num, new_block_ids, end >= len(req.all_token_ids),
-                              start >= len(req.prompt_token_ids) and num == 1 + len(spec), spec)
-
     def _victim_key(self, req: Request) -> tuple:
         # The last-arrived goes first; under "priority", the least urgent first.
         if self.config.scheduling_policy == "priority":
@@ -361,9 +366,10 @@ class Scheduler:
             times = req.times
             if times.first_token is None:
                 times.first_token = now
+            token_times = times.token_times
             for token in tokens:
                 req.append_output_token(token)
-                times.token_times.append(now)
+                token_times.append(now)
                 status = self._check_stop(req, token)
                 if status is not None:
                     break  # later accepted drafts are dropped
@@ -377,7 +383,7 @@ class Scheduler:
         """Token-level stops; stop strings are the output processor's (it sees the text)."""
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
+        if n_out >= sp.min_tokens and (req.eos_token_ids or sp.stop_token_ids):
             if token in req.eos_token_ids and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if sp.stop_token_ids and token in sp.stop_token_ids:

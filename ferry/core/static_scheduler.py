@@ -32,8 +32,8 @@ class StaticScheduler(Scheduler):
                 out.chunks.append(ScheduledChunk(
                     request_id=req.request_id, start=req.num_computed_tokens - 1, num_tokens=1,
                     new_block_ids=[], samples=False, padding=True))
-            else:
-                out.chunks.append(self._advance(req, req.num_tokens - req.num_computed_tokens))
+        self._advance(self.batch, {r.request_id: r.num_tokens - r.num_computed_tokens
+                                   for r in self.batch if not r.is_finished}, out)
         out.num_kv_blocks_used = self.kv.pool.num_used
         return out
 
