@@ -26,7 +26,10 @@ class Hardware:
     per_request_overhead_ms: float = 0.01  # per request in the step (metadata, sampling)
     per_prefill_chunk_ms: float = 0.0  # per chunk of more than one token (a separate prefill path)
     interconnect_gbs: float = 0.0  # per-device link bandwidth for tensor-parallel all-reduce
-    allreduce_latency_us: float = 10.0
+    # Fixed cost of one all-reduce. 25 us, not NCCL's ~10 us ring latency: vLLM's published 70B TP-4
+    # decode latencies on H100 and H200 (docs/simulator.md) sit 2.3-3.3 ms a step above the model
+    # with 10 us, which is 15-20 us more for each of the step's 160 all-reduces.
+    allreduce_latency_us: float = 25.0
     kv_cache_memory_gb: float | None = None  # fixed KV size (as a CPU engine is told) instead of memory - weights
     # How far compute and memory traffic hide each other: 1 is the pure roofline max(c, m) (a GPU
     # streaming weights while its tensor cores work); 0 means they add up (c + m).
