@@ -210,9 +210,8 @@ class Scheduler:
                     skipped.append(self.waiting.pop())
                     continue
             num = min(need, budget, self.chunk_cap)
-            if ((not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)) and budget > 0 and len(self.running) < self.max_num_seqs
-                    and (self.config.enable_chunked_prefill or need <= budget)
-                    and self.kv.allocate_slots(req, num, cached) is not None):
+            room = not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)
+            if room and self._take_slots(req, num, need, budget, cached):
                 self._admit(req, num_cached, out)
                 scheduled[req.request_id] = num
                 budget -= num
@@ -230,9 +229,18 @@ class Scheduler:
             self.waiting.prepend(req)
 
     def _more_urgent_than_preempted(self, req: Request, out: SchedulerOutput) -> bool:
+        """With priority preemption, the room a step freed by preempting less urgent requests
+        (for memory or for ``req``) is ``req``'s to take."""
         key = self._victim_key(req)
         return self.config.priority_preemption and all(
             self._victim_key(self.requests[rid]) > key for rid in out.preempted_req_ids)
+
+    def _take_slots(self, req: Request, num: int, need: int, budget: int, cached: list[int]) -> bool:
+        """Whether ``req`` boards with ``num`` tokens now: budget, a sequence slot, the whole prompt
+        when chunking is off, and the KV blocks (taken if it boards)."""
+        return (budget > 0 and len(self.running) < self.max_num_seqs
+                and (self.config.enable_chunked_prefill or need <= budget)
+                and self.kv.allocate_slots(req, num, cached) is not None)
 
     def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
         self.kv.record_lookup(req, num_cached)
@@ -270,17 +278,15 @@ class Scheduler:
                       and (r.num_preemptions == 0 or self.num_steps - r.boarded_step >= cooldown)]
         if not candidates:
             return None
+        # The room all candidates hold: their budget this step, and the blocks only they reference.
+        bs, ref = self.kv.block_size, self.kv.pool.ref_counts
         room_budget = budget + sum(scheduled.get(r.request_id, 0) for r in candidates)
-        ref = self.kv.pool.ref_counts
         room_blocks = self.kv.pool.num_free + sum(1 for r in candidates
                                                   for b in self.kv.block_tables.get(r.request_id, ()) if ref[b] == 1)
-        first = min(req.num_tokens - len(cached) * self.kv.block_size, room_budget, self.chunk_cap)
-        if not self.config.enable_chunked_prefill:
-            first = req.num_tokens - len(cached) * self.kv.block_size
-            if first > room_budget:
-                return None
-        if room_budget <= 0 or blocks_for(len(cached) * self.kv.block_size + first, self.kv.block_size) \
-                - len(cached) > room_blocks:
+        need = req.num_tokens - len(cached) * bs
+        first = min(need, room_budget, self.chunk_cap) if self.config.enable_chunked_prefill else need
+        if room_budget <= 0 or first > room_budget \
+                or blocks_for(len(cached) * bs + first, bs) - len(cached) > room_blocks:
             return None
         return max(candidates, key=self._victim_key)
 
