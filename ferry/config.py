@@ -91,7 +91,7 @@ class EngineConfig:
     # (no KV blocks, no sequence slot, no budget) preempts the least urgent running request(s).
     priority_preemption: bool = False
     # Anti-thrashing: a request that was preempted is not a priority-preemption victim again
-    # until it has run this many steps since it boarded again.
+    # until this many steps have passed since it boarded again.
     priority_preemption_cooldown: int = 16
     # Aging: each second since arrival improves a request's effective priority by this much
     # (effective = priority - rate x seconds waited), so no request waits forever. 0: off.
@@ -142,9 +142,11 @@ class EngineConfig:
             check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
                   "an integer >= 1 (or unset: no cap)")
 
-        check(isinstance(self.priority_preemption_cooldown, int) and self.priority_preemption_cooldown >= 0,
+        cooldown, rate = self.priority_preemption_cooldown, self.priority_aging_rate
+        check(isinstance(cooldown, int) and not isinstance(cooldown, bool) and cooldown >= 0,
               "priority_preemption_cooldown", "an integer >= 0 (steps)")
-        check(self.priority_aging_rate >= 0, "priority_aging_rate", ">= 0 (priority levels per second)")
+        check(isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < float("inf"),
+              "priority_aging_rate", "a finite number >= 0 (priority levels per second)")
         positive_or_none("max_num_partial_prefills")
         positive_or_none("max_long_partial_prefills")
         check(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,

@@ -286,3 +286,33 @@ def test_partial_prefill_cap_stops_admission_and_bad_settings_are_named():
         EngineConfig(long_prefill_token_threshold=10, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="continuous scheduler"):
         EngineConfig(scheduler="static", max_num_partial_prefills=1)
+
+
+def test_priority_preemption_counts_shared_cached_blocks_and_preempts_only_when_it_makes_room():
+    """4 blocks of 16 tokens. W (most urgent) holds 1 block, V (least urgent) 3, the first two a
+    cached 32-token prefix X. U wants X + 20 tokens: after preempting V it would need 2 new blocks
+    plus X's 2 blocks back from the free pool, 4 > 3: preempting V gains nothing, so V keeps
+    running. Once W has finished, the same preemption makes room, and U boards in that very step."""
+    engine, ex = make_engine(num_blocks=4, block_size=16, scheduling_policy="priority", priority_preemption=True,
+                             max_num_batched_tokens=128)
+    x = list(range(100, 132))
+    engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=6, ignore_eos=True), request_id="W", priority=0)
+    engine.add_request(x + list(range(200, 208)), SamplingParams(max_tokens=8, ignore_eos=True), request_id="V",
+                       priority=5)
+    engine.step()
+    assert engine.kv.pool.num_free == 0
+    engine.add_request(x + list(range(300, 320)), SamplingParams(max_tokens=10, ignore_eos=True), request_id="U",
+                       priority=1)
+    boarded_with_preemption = False
+    for _ in range(20):
+        engine.step()
+        out = ex.steps[-1]
+        if "W" in engine.scheduler.requests:
+            assert not out.preempted_req_ids, "V was preempted while U could not board anyway"
+        if "V" in out.preempted_req_ids:
+            assert "U" in out.num_scheduled_tokens  # the room made is taken in the same step
+            boarded_with_preemption = True
+            break
+    assert boarded_with_preemption
+    final = run_all(engine)
+    assert {o.outputs[0].finish_reason for o in final.values()} == {"length"}

@@ -146,6 +146,10 @@ def test_simulator_verify_steps_cost_their_drafts():
     # Always accepted: 1 prefill step, then 10 verify steps of 1 + 3 tokens (4 new tokens each).
     assert [s.num_decode_tokens for s in eng.step_stats] == [0] + [4] * 10
     assert eng.scheduler.num_accepted_tokens == 30
+    # A verify chunk runs as decode rows (as the executor packs it): never a prefill chunk to the
+    # cost model (no per-prefill-chunk cost, no context gather), each row reading its own context.
+    assert eng.step_stats[1].shape == ((1, 20), (1, 21), (1, 22), (1, 23))
+    assert f.cost.terms(eng.step_stats[1].shape, 4).num_prefill_chunks == 0
 
 
 # ------------------------------------------------------------------ the verifier

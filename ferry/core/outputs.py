@@ -90,10 +90,17 @@ class SchedulerOutput:
     def cost_shape(self) -> tuple[tuple[tuple[int, int], ...], int]:
         """What the step costs, as the cost model reads it: (num_tokens, start) per chunk, and the
         rows that go through the LM head (one per sampling chunk, ``1 + k`` for a verify chunk;
-        padding rows sample nothing). Read by the simulated executor and the step's statistics."""
-        chunks = tuple([(c.num_tokens, c.start) for c in self.chunks])
+        padding rows sample nothing). A verify chunk runs as ``1 + k`` decode rows (that is how
+        the executor packs it), so it is listed as such: it never counts as a prefill chunk.
+        Read by the simulated executor and the step's statistics."""
+        chunks: list[tuple[int, int]] = []
+        for c in self.chunks:
+            if c.spec_token_ids and c.start > 0:
+                chunks.extend([(1, c.start + i) for i in range(c.num_tokens)])
+            else:
+                chunks.append((c.num_tokens, c.start))
         rows = sum([1 + len(c.spec_token_ids) for c in self.chunks if c.samples and not c.padding])
-        return chunks, rows
+        return tuple(chunks), rows
 
 
 @dataclass

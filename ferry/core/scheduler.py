@@ -14,6 +14,7 @@ only the accepted ones stay computed.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 from ferry.config import EngineConfig
@@ -192,41 +193,45 @@ class Scheduler:
         preemption: a request that cannot board preempts the least urgent running request less
         urgent than itself, and tries again.
         """
-        caps = self.config.has_prefill_caps
+        caps, preempting = self.config.has_prefill_caps, self.config.priority_preemption
         prefills, long_prefills = self._count_prefills() if caps else (0, 0)
         skipped: list[Request] = []
-        while self.waiting:
-            req = self.waiting.peek()
-            if req.request_id in out.preempted_req_ids:
-                break  # preempted in this step: it waits for the next one
-            cached = self.kv.find_cached(req)
-            num_cached = len(cached) * self.kv.block_size
-            need = req.num_tokens - num_cached
-            is_prefill, is_long = need > 1, self._is_long(req)
-            if caps and is_prefill:
-                if self.max_partial is not None and prefills >= self.max_partial:
-                    break
-                if is_long and self.max_long is not None and long_prefills >= self.max_long:
-                    skipped.append(self.waiting.pop())
+        try:
+            while self.waiting:
+                if not preempting and (budget <= 0 or len(self.running) >= self.max_num_seqs):
+                    break  # nobody more can board in this step
+                req = self.waiting.peek()
+                if req.request_id in out.preempted_req_ids:
+                    break  # preempted in this step: it waits for the next one
+                cached = self.kv.find_cached(req)
+                num_cached = len(cached) * self.kv.block_size
+                need = req.num_tokens - num_cached
+                is_prefill, is_long = need > 1, self._is_long(req)
+                if caps and is_prefill:
+                    if self.max_partial is not None and prefills >= self.max_partial:
+                        break
+                    if is_long and self.max_long is not None and long_prefills >= self.max_long:
+                        skipped.append(self.waiting.pop())
+                        continue
+                num = min(need, budget, self.chunk_cap)
+                room = not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)
+                if room and self._try_allocate(req, num, need, budget, cached):
+                    self._admit(req, num_cached, out)
+                    scheduled[req.request_id] = num
+                    budget -= num
+                    prefills += is_prefill
+                    long_prefills += is_prefill and is_long
                     continue
-            num = min(need, budget, self.chunk_cap)
-            room = not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)
-            if room and self._take_slots(req, num, need, budget, cached):
-                self._admit(req, num_cached, out)
-                scheduled[req.request_id] = num
-                budget -= num
-                prefills += is_prefill
-                long_prefills += is_prefill and is_long
-                continue
-            victim = self._priority_victim(req, budget, scheduled, cached)
-            if victim is None:
-                break
-            budget += scheduled.pop(victim.request_id, 0)
-            self._preempt(victim, out)
-            if caps:
-                prefills, long_prefills = self._count_prefills()
-        for req in reversed(skipped):
-            self.waiting.prepend(req)
+                victim = self._priority_victim(req, budget, scheduled, cached)
+                if victim is None:
+                    break
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim, out)
+                if caps:
+                    prefills, long_prefills = self._count_prefills()
+        finally:
+            for req in reversed(skipped):  # back in their places
+                self.waiting.prepend(req)
 
     def _more_urgent_than_preempted(self, req: Request, out: SchedulerOutput) -> bool:
         """With priority preemption, the room a step freed by preempting less urgent requests
@@ -235,9 +240,9 @@ class Scheduler:
         return self.config.priority_preemption and all(
             self._victim_key(self.requests[rid]) > key for rid in out.preempted_req_ids)
 
-    def _take_slots(self, req: Request, num: int, need: int, budget: int, cached: list[int]) -> bool:
-        """Whether ``req`` boards with ``num`` tokens now: budget, a sequence slot, the whole prompt
-        when chunking is off, and the KV blocks (taken if it boards)."""
+    def _try_allocate(self, req: Request, num: int, need: int, budget: int, cached: list[int]) -> bool:
+        """Whether ``req`` can board with ``num`` tokens now (budget, a sequence slot, the whole
+        prompt when chunking is off, the KV blocks); if so its blocks are taken."""
         return (budget > 0 and len(self.running) < self.max_num_seqs
                 and (self.config.enable_chunked_prefill or need <= budget)
                 and self.kv.allocate_slots(req, num, cached) is not None)
@@ -267,8 +272,8 @@ class Scheduler:
         """The running request ``req`` may preempt to board, or None.
 
         Candidates: running requests less urgent than ``req`` and not protected by the cooldown
-        (a request preempted before cannot be preempted again until it has run
-        ``priority_preemption_cooldown`` steps). None as well when preempting all of them would
+        (a request preempted before cannot be preempted again until
+        ``priority_preemption_cooldown`` steps have passed since it boarded again). None as well when preempting all of them would
         still leave ``req`` no token of budget or no block, so nobody is preempted for nothing.
         """
         if not self.config.priority_preemption:
@@ -278,15 +283,18 @@ class Scheduler:
                       and (r.num_preemptions == 0 or self.num_steps - r.boarded_step >= cooldown)]
         if not candidates:
             return None
-        # The room all candidates hold: their budget this step, and the blocks only they reference.
+        # The room once all candidates are gone: their budget this step, and the blocks that only
+        # they reference. ``req``'s cached blocks that nobody references then must be taken from
+        # that free room too (as allocate_slots counts them).
         bs, ref = self.kv.block_size, self.kv.pool.ref_counts
         room_budget = budget + sum(scheduled.get(r.request_id, 0) for r in candidates)
-        room_blocks = self.kv.pool.num_free + sum(1 for r in candidates
-                                                  for b in self.kv.block_tables.get(r.request_id, ()) if ref[b] == 1)
+        held = Counter(b for r in candidates for b in self.kv.block_tables.get(r.request_id, ()))
+        room_blocks = self.kv.pool.num_free + sum(1 for b, n in held.items() if ref[b] == n)
+        reclaimed = sum(1 for b in cached if ref[b] == held[b])
         need = req.num_tokens - len(cached) * bs
         first = min(need, room_budget, self.chunk_cap) if self.config.enable_chunked_prefill else need
         if room_budget <= 0 or first > room_budget \
-                or blocks_for(len(cached) * bs + first, bs) - len(cached) > room_blocks:
+                or blocks_for(len(cached) * bs + first, bs) - len(cached) + reclaimed > room_blocks:
             return None
         return max(candidates, key=self._victim_key)
 
