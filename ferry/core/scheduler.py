@@ -37,9 +37,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.waiting = make_queue(config.scheduling_policy, config.priority_aging_rate)
-        # Partial-prefill caps (None: none), and the most tokens one prefill chunk may take.
-        self.max_partial = config.max_num_partial_prefills
-        self.max_long = config.max_long_partial_prefills
+        # The most tokens one prefill chunk may take.
         self.chunk_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -208,9 +206,10 @@ class Scheduler:
                 need = req.num_tokens - num_cached
                 is_prefill, is_long = need > 1, self._is_long(req)
                 if caps and is_prefill:
-                    if self.max_partial is not None and prefills >= self.max_partial:
+                    max_partial, max_long = self.config.max_num_partial_prefills, self.config.max_long_partial_prefills
+                    if max_partial is not None and prefills >= max_partial:
                         break
-                    if is_long and self.max_long is not None and long_prefills >= self.max_long:
+                    if is_long and max_long is not None and long_prefills >= max_long:
                         skipped.append(self.waiting.pop())
                         continue
                 num = min(need, budget, self.chunk_cap)
@@ -272,8 +271,8 @@ class Scheduler:
         """The running request ``req`` may preempt to board, or None.
 
         Candidates: running requests less urgent than ``req`` and not protected by the cooldown
-        (a request preempted before cannot be preempted again until
-        ``priority_preemption_cooldown`` steps have passed since it boarded again). None as well when preempting all of them would
+        (a request preempted before cannot be preempted again until ``priority_preemption_cooldown``
+        steps have passed since it boarded again). None as well when preempting all of them would
         still leave ``req`` no token of budget or no block, so nobody is preempted for nothing.
         """
         if not self.config.priority_preemption:

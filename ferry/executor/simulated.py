@@ -29,7 +29,7 @@ class SimulatedExecutor:
         sampled = {}
         for c in out.chunks:
             if c.samples and not c.padding:
-                sampled[c.request_id] = [0] * (1 + (self._accepted(len(c.spec_token_ids)) if c.spec_token_ids else 0))
+                sampled[c.request_id] = [0] * (1 + self._accepted(len(c.spec_token_ids)))
         self.clock.advance(self.cost.step_time(*out.cost_shape))
         return ModelRunnerOutput(sampled=sampled)
 

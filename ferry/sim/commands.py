@@ -72,15 +72,8 @@ def _calibrate(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"engine overhead around the executor: {step_s * 1e3:.2f} ms per step + {req_s * 1e3:.3f} ms per request")
     hw = replace(hw, step_overhead_ms=hw.step_overhead_ms + step_s * 1e3,
                              per_request_overhead_ms=hw.per_request_overhead_ms + req_s * 1e3)
-    out = Path(args.out or "ferry-profile.json")
-    hw.save(out)
     write_json(args.samples_json, [{"shape": s.shape, "seconds": s.seconds} for s in samples])
-    print(f"{len(samples)} step shapes measured; fit: linear {hw.flops / 1e9:.1f} GFLOP/s, attention "
-          f"{hw.attn_flops / 1e9:.1f} GFLOP/s, memory {hw.bandwidth / 1e9:.1f} GB/s, "
-          f"step overhead {hw.step_overhead_ms:.2f} ms, per request {hw.per_request_overhead_ms:.3f} ms; "
-          f"median error {err:.1%}")
-    print(f"wrote {out}: use it with --hardware {out}")
-    return 0
+    return _save_profile(hw, err, args.out, f"{len(samples)} step shapes measured")
 
 
 def _calibrate_from_runs(args: argparse.Namespace) -> int:
@@ -99,16 +92,19 @@ def _calibrate_from_runs(args: argparse.Namespace) -> int:
     name = f"calibrated-{socket.gethostname()}-from-runs"
     kv_gb = settings["kv_cache_memory_gb"]
     hw, err = fit_profile(model_config, samples, name, dtype_bytes, memory_gb=kv_gb, kv_cache_memory_gb=kv_gb)
-    out = Path(args.out or "ferry-profile.json")
-    hw.save(out)
-    print(f"{len(samples)} steps from {len(args.from_run)} run(s); robust fit: linear {hw.flops / 1e9:.1f} GFLOP/s, "
-          f"attention {hw.attn_flops / 1e9:.1f} GFLOP/s, memory {hw.bandwidth / 1e9:.1f} GB/s, context gather "
-          f"{hw.context_gather_gbs:.1f} GB/s, overlap {hw.overlap:g},\n  step overhead {hw.step_overhead_ms:.2f} ms, "
-          f"per request {hw.per_request_overhead_ms:.3f} ms, per prefill chunk {hw.per_prefill_chunk_ms:.2f} ms; "
-          f"median error {err:.1%}")
-    print(f"wrote {out}: use it with --hardware {out}")
-    return 0
+    return _save_profile(hw, err, args.out, f"{len(samples)} steps from {len(args.from_run)} run(s)")
 
+
+def _save_profile(hw: Any, err: float, out: str | None, what: str) -> int:
+    path = Path(out or "ferry-profile.json")
+    hw.save(path)
+    print(f"{what}; robust fit: linear {hw.flops / 1e9:.1f} GFLOP/s, attention {hw.attn_flops / 1e9:.1f} GFLOP/s, "
+          f"memory {hw.bandwidth / 1e9:.1f} GB/s, context gather {hw.context_gather_gbs:.1f} GB/s (0: none), "
+          f"overlap {hw.overlap:g},\n  step overhead {hw.step_overhead_ms:.2f} ms, per request "
+          f"{hw.per_request_overhead_ms:.3f} ms, per prefill chunk {hw.per_prefill_chunk_ms:.2f} ms; "
+          f"median error {err:.1%}")
+    print(f"wrote {path}: use it with --hardware {path}")
+    return 0
 
 
 def cmd_tune(args: argparse.Namespace, config: EngineConfig) -> int:
