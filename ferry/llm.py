@@ -27,6 +27,11 @@ class LLM:
         self.startup_seconds = time.perf_counter() - t0
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel ranks); also
+        done at exit."""
+        self.engine.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -28,6 +28,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_up(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    """Until ``url``/health answers 200; a server that exits or takes longer is an error."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            out = proc.stdout.read() if proc.stdout is not None and proc.poll() is not None else ""
+            raise RuntimeError(f"server did not start (exit code {proc.poll()}): {out}")
+        time.sleep(0.2)
+
+
+@contextmanager
+def serve_in_thread(app, log_level: str = "warning"):
+    """An ASGI app served by uvicorn in a thread of this process on 127.0.0.1; yields its URL."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    t = threading.Thread(target=srv.run)
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while not srv.started:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(30)
+
+
 @contextmanager
 def server(*extra: str, env: dict[str, str] | None = None):
     port = free_port()
@@ -36,16 +71,7 @@ def server(*extra: str, env: dict[str, str] | None = None):
                             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start: {proc.stdout.read()}")
-            time.sleep(0.2)
+        wait_until_up(proc, url, 180)
         proc.url = url  # type: ignore[attr-defined]
         yield proc
     finally:

@@ -230,12 +230,10 @@ def test_shutdown_past_the_timeout_ends_streams_with_an_error_and_done():
 
 # ---------------------------------------------------------------- an unexpected error, in process
 def test_an_unexpected_error_is_a_json_500_and_the_server_goes_on(llm):
-    import uvicorn
-
     from ferry.engine.async_engine import AsyncEngine
     from ferry.engine.llm_engine import LLMEngine
     from ferry.server.app import build_app
-    from tests.test_server import free_port
+    from tests.test_server import serve_in_thread
 
     engine = AsyncEngine(LLMEngine.from_config(llm.config, llm.engine.executor))
     submit = engine.submit
@@ -246,21 +244,10 @@ def test_an_unexpected_error_is_a_json_500_and_the_server_goes_on(llm):
         return await submit(subs)
 
     engine.submit = buggy_submit
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="critical"))
-    t = threading.Thread(target=srv.run)
-    t.start()
-    try:
-        deadline = time.time() + 30
-        while not srv.started:
-            assert time.time() < deadline
-            time.sleep(0.05)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:  # one kept-alive connection
-            for _ in range(2):
-                bad = client.post("/v1/completions", json={"prompt": "boom", "max_tokens": 2})
-                assert_error(bad, 500, None, "internal error: RuntimeError")
-                ok = client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
-                assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-    finally:
-        srv.should_exit = True
-        t.join(30)
+    with serve_in_thread(build_app(engine, MODEL), "critical") as url, \
+            httpx.Client(base_url=url, timeout=60) as client:  # one kept-alive connection
+        for _ in range(2):
+            bad = client.post("/v1/completions", json={"prompt": "boom", "max_tokens": 2})
+            assert_error(bad, 500, None, "internal error: RuntimeError")
+            ok = client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

@@ -73,8 +73,11 @@ def test_tensor_parallel_splits_work_and_adds_communication():
     no_comm = four.time(four.terms([(2048, 0)], 1)) - 2 * m.num_layers * (
         hw.allreduce_latency_us * 1e-6 + 1.5 * 2048 * m.hidden_size * 2 / (hw.interconnect_gbs * 1e9))
     assert no_comm == pytest.approx(one.step_time([(2048, 0)], 1) / 4, rel=0.05)
-    with pytest.raises(ValueError, match="does not divide"):
-        CostModel(m, hw, 3)
+    CostModel(m, hw, 3)  # 8 KV heads go 3 + 3 + 2, as the real engine splits them
+    with pytest.raises(ValueError, match="does not split"):
+        CostModel(m, hw, 12)  # fewer KV heads than ranks, and 12 is not a multiple of 8
+    with pytest.raises(ValueError, match="no interconnect_gbs"):  # at once, not at the first step
+        CostModel(m, dataclasses.replace(hw, interconnect_gbs=0.0), 2)
 
 
 def test_kv_cache_is_sized_from_memory_minus_weights():

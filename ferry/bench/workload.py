@@ -77,6 +77,34 @@ def synthetic_workload(num_prompts: int, input_len: int, output_len: int, input_
     return [WorkloadRequest(rng.choices(ids, k=i), o) for i, o in zip(ins, outs)]
 
 
+def shared_prefix_workload(num_prompts: int, num_groups: int, prefix_len: int, suffix_len: int,
+                           output_len: int, request_rate: float = float("inf"), group_skew: float = 0.0,
+                           seed: int = 0, vocab_size: int = 32000) -> list[WorkloadRequest]:
+    """Requests that share prompt prefixes, as behind one system prompt or few-shot preamble each.
+
+    ``num_groups`` random prefixes of ``prefix_len`` tokens; each request is one group's prefix plus
+    its own random suffix of ``suffix_len`` tokens, and asks for ``output_len`` tokens. Group k
+    (0-based) is drawn with probability proportional to ``1 / (k + 1) ** group_skew`` (Zipf; 0 is
+    uniform, 1 gives the most popular of 64 groups about a fifth of the traffic). Poisson arrivals
+    at ``request_rate`` (``inf``: all at 0). Seeded: the same arguments give the same requests.
+    """
+    for name, v, lo in (("num_prompts", num_prompts, 1), ("num_groups", num_groups, 1),
+                        ("prefix_len", prefix_len, 0), ("suffix_len", suffix_len, 0), ("output_len", output_len, 1)):
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if prefix_len + suffix_len < 1:
+        raise ValueError("prefix_len + suffix_len must be >= 1: a prompt needs a token")
+    if not group_skew >= 0 or math.isinf(group_skew):
+        raise ValueError(f"group_skew must be a finite number >= 0, got {group_skew}")
+    rng = random.Random(seed)
+    ids = range(min(100, vocab_size - 1), vocab_size)  # as synthetic_workload: no special tokens
+    prefixes = [rng.choices(ids, k=prefix_len) for _ in range(num_groups)]
+    groups = rng.choices(range(num_groups), weights=[(k + 1) ** -group_skew for k in range(num_groups)],
+                         k=num_prompts)
+    reqs = [WorkloadRequest(prefixes[g] + rng.choices(ids, k=suffix_len), output_len) for g in groups]
+    return with_request_rate(reqs, request_rate, seed)
+
+
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival times (s) of a Poisson process of ``rate`` requests/s; ``inf`` puts all at 0."""
     if rate <= 0:

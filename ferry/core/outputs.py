@@ -122,3 +122,8 @@ class ModelRunnerOutput:
         self.logprobs.update(other.logprobs)
         self.errors.update(other.errors)
         self.prompt_logprobs.update(other.prompt_logprobs)
+
+
+class ExecutorDead(RuntimeError):
+    """The executor can run no more steps (a tensor-parallel rank died or hung): the engine stops,
+    rather than failing request after request on it."""

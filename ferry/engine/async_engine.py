@@ -9,14 +9,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ferry.core.sampling_params import SamplingParams
+from ferry.engine.live_state import LiveState
 from ferry.engine.llm_engine import LLMEngine
 from ferry.engine.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from ferry.server.metrics import ServerMetrics
+
 log = logging.getLogger(__name__)
+LIVE_LOCK_WAIT_S = 0.1  # how long a dashboard snapshot waits for the step in progress
+
+
+def check_queueable(num_sequences: int, max_waiting_requests: int | None) -> None:
+    """Raise ValueError for a request of more sequences than the server could ever queue."""
+    if max_waiting_requests is not None and num_sequences > max_waiting_requests:
+        raise ValueError(f"n ({num_sequences} sequences in all, n times the prompts) is more than the server "
+                         f"can ever queue (--max-waiting-requests {max_waiting_requests}); send fewer at once")
 
 
 class EngineOverloaded(Exception):
@@ -32,6 +45,7 @@ class SubRequest:
     prompt: str | list[int]
     params: SamplingParams
     priority: int = 0
+    token_ids: list[int] | None = None  # the prompt's, when the caller tokenized it already
 
 
 class Stream:
@@ -84,6 +98,11 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self.on_abort = on_abort
+        # The dashboard's recent history and the Prometheus metrics, fed after every step once
+        # someone asks for them (``observe``: the server does).
+        self.live = LiveState()
+        self.metrics: ServerMetrics | None = None
+        self._live_pool: ThreadPoolExecutor | None = None
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.started = threading.Event()
@@ -113,6 +132,41 @@ class AsyncEngine:
         if failure:
             raise failure[0]
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.engine.config.max_model_len is not None
+        return self.engine.config.max_model_len
+
+    def check_text_length(self, chars: int, what: str) -> None:
+        """Raise ValueError when ``chars`` characters must be more tokens than max_model_len."""
+        self.engine.check_text_length(chars, what)
+
+    def observe(self, model_name: str, replica: str | None = None) -> None:
+        """Keep Prometheus metrics (labelled ``replica`` when given) and the dashboard's state
+        from every step on."""
+        from ferry.server.metrics import ServerMetrics
+
+        metrics = self.metrics = ServerMetrics(self.engine, model_name, replica)
+        live = self.live
+
+        def on_step(engine: LLMEngine, outputs: list[RequestOutput]) -> None:  # the engine's one hook
+            metrics.on_step(engine, outputs)
+            live.on_step(engine, outputs)
+
+        self.on_step = on_step
+        self.on_abort = metrics.on_abort
+
+    async def prometheus(self) -> bytes:
+        """The metrics in Prometheus' text format (``observe`` first)."""
+        from prometheus_client import generate_latest
+
+        assert self.metrics is not None
+        return generate_latest(self.metrics.registry)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Start stepping (call from the event loop that will consume the streams)."""
@@ -127,6 +181,7 @@ class AsyncEngine:
         self.started.set()
         await asyncio.to_thread(self.thread.join, 30)
         self._fail_all(EngineDead("the server is shutting down"))
+        self.engine.close()
 
     def abort_all(self) -> int:
         """Abort every unfinished request (shutdown). Each stream still open gets its final,
@@ -149,6 +204,25 @@ class AsyncEngine:
 
         return await asyncio.to_thread(reset)
 
+    async def live_state(self) -> list[dict]:
+        """The live dashboard's state: one snapshot per replica (one here), each with a
+        ``"replica"`` key, taken in a worker thread. Its counts are read between two steps under
+        the engine lock; while a step holds it past ``LIVE_LOCK_WAIT_S`` they are those the last
+        step left (a cold prefill step takes seconds, and the lock is not first-come first-served)."""
+        def take() -> dict:
+            if self.lock.acquire(timeout=LIVE_LOCK_WAIT_S):
+                try:
+                    self.live.refresh(self.engine)
+                finally:
+                    self.lock.release()
+            return {"replica": "0", **self.live.snapshot()}
+
+        # A thread of its own, not asyncio.to_thread's pool: submits wait there for the engine lock,
+        # and a burst of them would hold the dashboard up for as many steps.
+        if self._live_pool is None:
+            self._live_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-live")
+        return [await asyncio.get_running_loop().run_in_executor(self._live_pool, take)]
+
     def num_unfinished(self) -> int:
         with self.lock:
             return len(self.engine.scheduler.requests)
@@ -166,15 +240,13 @@ class AsyncEngine:
         if self.draining:
             raise EngineOverloaded("the server is shutting down and takes no new requests")
         limit = self.max_waiting_requests
-        if limit is not None and len(subs) > limit:
-            raise ValueError(f"n ({len(subs)} sequences in all, n times the prompts) is more than the server "
-                             f"can ever queue (--max-waiting-requests {limit}); send fewer at once")
+        check_queueable(len(subs), limit)
         engine = self.engine
         token_ids: dict[int, list[int]] = {}  # by prompt object: n copies share one tokenization
         for sub in subs:
             if id(sub.prompt) not in token_ids:
-                token_ids[id(sub.prompt)] = engine.tokenize(sub.prompt) if isinstance(sub.prompt, str) \
-                    else list(sub.prompt)
+                token_ids[id(sub.prompt)] = sub.token_ids if sub.token_ids is not None else \
+                    engine.tokenize(sub.prompt) if isinstance(sub.prompt, str) else list(sub.prompt)
             engine.check_request(token_ids[id(sub.prompt)], sub.params)
         with self.lock:
             sched = engine.scheduler

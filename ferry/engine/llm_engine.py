@@ -9,7 +9,7 @@ from typing import Any, Callable, MutableSequence, Protocol, Sequence
 
 from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from ferry.core.request import Request
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
@@ -23,6 +23,14 @@ from ferry.engine.step_stats import StepStats
 log = logging.getLogger(__name__)
 
 STEP_STATS_KEPT = 1000
+
+
+def check_text_length(chars: int, what: str, max_model_len: int, tokenizer: Any) -> None:
+    """Raise ValueError when ``chars`` characters must be more tokens than ``max_model_len``: no
+    token is longer than the vocabulary's longest (so a huge text is refused untokenized)."""
+    if chars > max_model_len * tokenizer.max_token_chars:
+        raise ValueError(f"{what} {chars} characters, so more tokens than max_model_len "
+                         f"({max_model_len}) allows")
 
 
 class Executor(Protocol):
@@ -57,7 +65,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, executor: Any = None) -> "LLMEngine":
         """Load the model named by ``config`` (or reuse a loaded ``executor``) and build an engine."""
-        if executor is None:
+        if executor is None and config.tensor_parallel_size > 1:
+            from ferry.executor.tensor_parallel import TensorParallelExecutor
+
+            executor = TensorParallelExecutor(config)
+        elif executor is None:
             from ferry.executor.model_executor import ModelExecutor  # torch lives there
 
             executor = ModelExecutor(config)
@@ -108,9 +120,7 @@ class LLMEngine:
     def check_text_length(self, chars: int, what: str) -> None:
         """Raise ValueError when ``chars`` characters must be more tokens than max_model_len."""
         assert self.tokenizer is not None and self.config.max_model_len is not None
-        if chars > self.config.max_model_len * self.tokenizer.max_token_chars:
-            raise ValueError(f"{what} {chars} characters, so more tokens than max_model_len "
-                             f"({self.config.max_model_len}) allows")
+        check_text_length(chars, what, self.config.max_model_len, self.tokenizer)
 
     def check_request(self, token_ids: list[int], sp: SamplingParams) -> None:
         """Raise ValueError, naming the field, for what no step could serve. Safe to call
@@ -184,6 +194,8 @@ class LLMEngine:
         """
         try:
             return self.executor.execute(out)
+        except ExecutorDead:
+            raise
         except Exception as e:
             if len(out.chunks) == 1:
                 return self._fail(out.chunks, e)
@@ -196,6 +208,8 @@ class LLMEngine:
             half = len(chunks) // 2
             try:
                 part = self.executor.execute(replace(out, chunks=chunks))
+            except ExecutorDead:
+                raise
             except Exception as e:
                 if len(chunks) == 1:
                     part = self._fail(chunks, e)
@@ -247,6 +261,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def close(self) -> None:
+        """Release what the executor holds outside this process (tensor-parallel ranks)."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (benchmarks and tests start cold). Returns the blocks it held."""

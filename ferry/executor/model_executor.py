@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -12,13 +13,14 @@ from ferry.config import EngineConfig
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.profiler import StepProfiler, no_tick
-from ferry.executor.batch import pack
+from ferry.executor.batch import PackedBatch, pack
 from ferry.executor.request_state import RequestStates
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, resolve_device
 from ferry.model.llama import LlamaModel
+from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
 from ferry.model.tokenizer import load_tokenizer
 
@@ -42,44 +44,83 @@ def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     return asked
 
 
-class ModelExecutor:
-    """Runs the real model. Resolves the model length (``max_model_len``) and sizes the KV cache."""
+@dataclass
+class ModelSetup:
+    """Everything known about a model before its weights load: the settings resolved for the device,
+    the model's shape and length, its tokenizer and end-of-sequence ids. The tensor-parallel driver
+    needs these without loading weights."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.dtype_name = default_dtype(self.device) if config.dtype == "auto" else config.dtype
-        if self.device.type == "cuda":
+    config: EngineConfig  # quantization and dtype resolved
+    device: torch.device
+    dtype_name: str
+    model_dir: Path
+    model_config: ModelConfig
+    max_model_len: int
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> "ModelSetup":
+        device = resolve_device(config.device)
+        dtype_name = default_dtype(device) if config.dtype == "auto" else config.dtype
+        if device.type == "cuda":
             if config.quantization == "gguf":
                 raise ValueError("quantization 'gguf' runs on the CPU's kernels; on CUDA use quantization "
                                  "'none' (a GGUF is dequantized at load)")
             config = replace(config, quantization="none")
-        config = replace(config, dtype=self.dtype_name)  # what the loader reads
-        dtype = DTYPES[self.dtype_name]
+        config = replace(config, dtype=dtype_name)  # what the loader reads
+        dtype = DTYPES[dtype_name]
         if dtype is not torch.float32:
             try:
-                torch.ones(2, 2, dtype=dtype, device=self.device) @ torch.ones(2, 2, dtype=dtype, device=self.device)
+                torch.ones(2, 2, dtype=dtype, device=device) @ torch.ones(2, 2, dtype=dtype, device=device)
             except RuntimeError as e:
-                raise ValueError(f"dtype {self.dtype_name!r} is not supported on {self.device}: {e}") from None
+                raise ValueError(f"dtype {dtype_name!r} is not supported on {device}: {e}") from None
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         cfg = ModelConfig.from_dir(model_dir)
-        self.max_model_len = resolve_max_model_len(cfg, config.max_model_len)
-        weights = load_weights(config, cfg, model_dir)
-        self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device)
-        del weights
-        self.model_config = cfg
-        self.model_dir = model_dir
-        self.vocab_size = cfg.vocab_size
-        self.tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         # Every end-of-sequence id stops a request: the tokenizer's, config.json's and
         # generation_config.json's (Llama 3 lists several); the tokenizer's comes first.
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
-        self.eos_token_ids = tuple(dict.fromkeys(
-            t for t in eos + cfg.eos_token_ids + generation_eos_ids(model_dir) if t is not None))
+        eos = [tokenizer.eos_token_id] if tokenizer is not None else []
+        eos_ids = tuple(dict.fromkeys(t for t in eos + cfg.eos_token_ids + generation_eos_ids(model_dir)
+                                      if t is not None))
+        return cls(config, device, dtype_name, model_dir, cfg, resolve_max_model_len(cfg, config.max_model_len),
+                   tokenizer, eos_ids)
+
+
+class ModelExecutor:
+    """Runs the real model. Resolves the model length (``max_model_len``) and sizes the KV cache.
+
+    With ``rank`` and ``collectives`` (a function of the rank's ShardPlan and the vocabulary size
+    that returns its Collectives) it is one tensor-parallel rank (``ferry.executor.tensor_parallel``
+    starts them): it holds that rank's shard of the weights and of the KV cache.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0,
+                 collectives: Callable[[ShardPlan, int], Collectives] | None = None,
+                 setup: ModelSetup | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        setup = setup or ModelSetup.resolve(config)
+        config, cfg = setup.config, setup.model_config
+        self.device, self.dtype_name = setup.device, setup.dtype_name
+        dtype = DTYPES[self.dtype_name]
+        self.max_model_len = setup.max_model_len
+        world = config.tensor_parallel_size if collectives is not None else 1
+        plan = ShardPlan.make(cfg, rank, world)
+        comm = collectives(plan, cfg.vocab_size) if collectives is not None else None
+        weights = load_weights(config, cfg, setup.model_dir)
+        self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
+        del weights
+        self.model_config = cfg
+        self.model_dir = setup.model_dir
+        self.vocab_size = cfg.vocab_size
+        self.tokenizer = setup.tokenizer
+        self.eos_token_ids = setup.eos_token_ids
         self.block_size = config.block_size
         elem = torch.tensor([], dtype=dtype).element_size()
-        bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        # Every rank has the same number of blocks (one scheduler, one block table), sized for the
+        # rank holding the most KV heads.
+        bytes_per_block = 2 * cfg.num_layers * config.block_size * plan.max_kv_heads * cfg.head_dim * elem
         if config.num_kv_blocks:
             self.num_kv_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -90,13 +131,15 @@ class ModelExecutor:
             act = T * (6 * cfg.hidden_size + 4 * cfg.intermediate_size) * elem + T * cfg.vocab_size * 4 * 2
             self.num_kv_blocks = kv_blocks_for_memory(total, free, config.gpu_memory_utilization,
                                                       bytes_per_block, act)
+            if comm is not None:  # the rank with the least memory sets the count for all
+                self.num_kv_blocks = comm.agree_min(self.num_kv_blocks)
         else:
             self.num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         slots = self.num_kv_blocks * config.block_size
         # Zeros, not garbage: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
         # On the CPU numpy's zeros come from calloc, whose fresh pages the OS zeroes lazily: no
         # 2 GiB memset at start-up, and only the blocks in use ever take memory.
-        shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, slots, plan.num_kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
             cache = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
         else:
@@ -120,14 +163,27 @@ class ModelExecutor:
         self.model.profiler = profiler
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.prepare(out)
+        return self.sample(batch, self.forward(batch))
+
+    # The three parts of a step (a tensor-parallel rank tells a failure of the first, which leaves
+    # the ranks in step, from one inside the forward pass's collectives, which does not).
+    def prepare(self, out: SchedulerOutput) -> PackedBatch:
+        """Take in the step's bookkeeping and pack its tokens."""
         # Process-wide in torch: set for every step, as another engine in this process may differ.
         torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
         self.states.apply(out)
         batch = pack(out.chunks, self.states, self.block_size).to(self.device)
         self.tick("pack")
-        logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                    batch.logits_indices)
+        return batch
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
+                                  batch.logits_indices)
+
+    def sample(self, batch: PackedBatch, logits: torch.Tensor) -> ModelRunnerOutput:
+        """Sample (and score prompt tokens) from the logits; record the new tokens."""
         result = ModelRunnerOutput()
         n = sum(c.num_sampling_rows for _, c in batch.sampling)
         if n:

@@ -18,6 +18,7 @@ from ferry.model.config import ModelConfig
 from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
 from ferry.model.kernels import kernels_usable, load_kernels
 from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
+from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shard_rows
 
 Weight = torch.Tensor | QuantWeight
 
@@ -111,11 +112,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    """Weights plus a forward pass over a packed batch; the KV cache is passed in."""
+    """Weights plus a forward pass over a packed batch; the KV cache is passed in.
+
+    With ``plan`` and ``comm`` (tensor parallelism, ``ferry.model.tensor_parallel``) it holds one
+    rank's shard and joins the ranks' partial results with ``comm``; every rank runs ``forward``
+    on the same batch and gets the same logits.
+    """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype,
-                 max_len: int, device: torch.device | str = "cpu") -> None:
+                 max_len: int, device: torch.device | str = "cpu", plan: ShardPlan | None = None,
+                 comm: Collectives | None = None) -> None:
         self.cfg = cfg
+        self.plan = plan if plan is not None else ShardPlan.make(cfg, 0, 1)
+        self.comm = comm if self.plan.world > 1 else None
         self.dtype = dtype
         self.device = device = torch.device(device)
         # The step profiler (ferry.engine.profiler), when one is on: told the name of each part
@@ -133,9 +142,26 @@ class LlamaModel:
                 return w
             return w.to(device=device, dtype=dtype).contiguous()
 
-        self.embed = take("model.embed_tokens.weight")
+        # This rank's slices (everything, on one rank): rows of the column-parallel weights,
+        # columns of the row-parallel ones. Sliced before the cast, so no rank holds it all twice.
+        plan, hd = self.plan, cfg.head_dim
+        vocab, mlp = plan.vocab, plan.mlp
+        heads = {"q": (plan.q_heads[0] * hd, plan.q_heads[1] * hd), "k": (plan.kv_heads[0] * hd, plan.kv_heads[1] * hd)}
+        heads["v"] = heads["k"]
+
+        def rows(name: str, span: tuple[int, int]) -> Weight:
+            if name in weights and plan.world > 1:
+                weights[name] = shard_rows(weights[name], *span)
+            return take(name)
+
+        def cols(name: str, span: tuple[int, int]) -> Weight:
+            if name in weights and plan.world > 1:
+                weights[name] = shard_cols(weights[name], *span)
+            return take(name)
+
+        self.embed = rows("model.embed_tokens.weight", vocab)
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
-            else take("lm_head.weight")
+            else rows("lm_head.weight", vocab)
         self.norm = take("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
@@ -143,24 +169,27 @@ class LlamaModel:
             a = p + "self_attn."
             bias = None
             if cfg.qkv_bias:
-                bias = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+                bias = torch.cat([rows(a + f"{x}_proj.bias", heads[x]) for x in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=cat_rows([take(a + f"{x}_proj.weight") for x in "qkv"]),
+                qkv=cat_rows([rows(a + f"{x}_proj.weight", heads[x]) for x in "qkv"]),
                 qkv_bias=bias,
-                o_proj=take(a + "o_proj.weight"),
+                o_proj=cols(a + "o_proj.weight", heads["q"]),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=cat_rows([rows(p + "mlp.gate_proj.weight", mlp), rows(p + "mlp.up_proj.weight", mlp)]),
+                down=cols(p + "mlp.down_proj.weight", mlp),
             ))
         cos, sin = rope_tables(cfg, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
-        # The kernels take any K (quantized weights come in whole blocks) and any head size.
-        self.fused = FusedDecode(cfg, self.layers, self.scale) if self.use_kernel else None
+        # The kernels take any K (quantized weights come in whole blocks) and any head size. The
+        # fused decode runs whole layers in C, with no place for the ranks' all-reduces inside a
+        # layer: tensor-parallel ranks decode through torch.
+        self.fused = FusedDecode(cfg, self.layers, self.scale) if self.use_kernel and self.comm is None else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -168,10 +197,10 @@ class LlamaModel:
         """Packed tokens in, float32 logits out for the rows in ``logits_indices``."""
         cfg = self.cfg
         T = input_ids.shape[0]
-        hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        kern, prof = self.use_kernel, self.profiler
+        hd, hq, hkv = cfg.head_dim, self.num_heads, self.num_kv_heads
+        kern, prof, comm = self.use_kernel, self.profiler, self.comm
         tick = _no_tick if prof is None else prof.tick
-        x = dequantize(self.embed, input_ids) if isinstance(self.embed, QuantWeight) else self.embed[input_ids]
+        x = self._embed(input_ids)
         tick("embed")
         if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
             self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
@@ -189,7 +218,8 @@ class LlamaModel:
             tick("rope")
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern)
             tick("attention")
-            x = x + linear(o, layer.o_proj, use_kernel=kern)
+            o = linear(o, layer.o_proj, use_kernel=kern)
+            x = x + (o if comm is None else comm.all_reduce(o))
             tick("o_proj")
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             tick("norm")
@@ -197,13 +227,26 @@ class LlamaModel:
             tick("gate_up")
             h = F.silu(gate) * up
             tick("act")
-            x = x + linear(h, layer.down, use_kernel=kern)
+            h = linear(h, layer.down, use_kernel=kern)
+            x = x + (h if comm is None else comm.all_reduce(h))
             tick("down")
         return self._logits(x, logits_indices, tick)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return dequantize(self.embed, input_ids) if isinstance(self.embed, QuantWeight) else self.embed[input_ids]
+        # Vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is the lookup.
+        lo, hi = self.plan.vocab
+        mine = (input_ids >= lo) & (input_ids < hi)
+        local = torch.where(mine, input_ids - lo, 0)
+        x = dequantize(self.embed, local) if isinstance(self.embed, QuantWeight) else self.embed[local]
+        return self.comm.all_reduce(x * mine.unsqueeze(1).to(x.dtype))
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor, tick: Callable[[str], None]) -> torch.Tensor:
         x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
         # Contiguous: sampling reads rows, and a transposed product's rows are strided.
         logits = linear(x, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
+        if self.comm is not None:
+            logits = self.comm.all_gather_vocab(logits)
         tick("lm_head")
         return logits

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from ferry.model.kernels import load_kernels
+from ferry.model.shard_plan import QK  # GGUF blocks of 32 weights
 
 # GGUF type name -> (the kernel's type id, repacked bytes per block of 32). Q4_K's sub-blocks of 32
 # (a scale and a min each) are exactly Q4_1 blocks once their scales are multiplied out.
 KERNEL_TYPES = {"Q4_0": (0, 20), "Q4_1": (1, 24), "Q8_0": (2, 36), "Q4_K": (1, 24)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QK = 32
 
 # Up to this many rows the kernel's product wins; above it, dequantize-then-BLAS (measured with
 # `ferry bench kernels`: BLAS's packing pays off once the weight is reused by many rows).

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over the async engine.
 
 Routes: GET|HEAD /health, GET /v1/models[/{id}], GET /metrics, POST /v1/completions,
-POST /v1/chat/completions. Every error, whatever raised it, has OpenAI's body:
-{"error": {"message", "type", "param", "code"}}.
+POST /v1/chat/completions, GET /dashboard[/state] (``dashboard.py``). Every error, whatever
+raised it, has OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
@@ -13,22 +13,25 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, Stream, SubRequest
 from ferry.engine.outputs import CompletionOutput, RequestOutput
+from ferry.server.dashboard import dashboard_router
 from ferry.server.guard import Guard
 from ferry.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from ferry.server.metrics import ServerMetrics
 from ferry.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+
+if TYPE_CHECKING:
+    from ferry.server.replicas import ReplicaSet  # imports Ray's names only when used
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -61,16 +64,15 @@ def _bad_value(e: ValueError) -> APIError:
     return APIError(400, msg, param=param)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               allowed_origins: list[str] | None = None) -> FastAPI:
-    """The ASGI app. The engine's step loop starts with the app and stops with it."""
-    llm = engine.engine
-    tokenizer = llm.tokenizer
-    max_model_len = llm.config.max_model_len
-    metrics = ServerMetrics(llm, model_name)
-    engine.on_step = metrics.on_step
-    engine.on_abort = metrics.on_abort
+    """The ASGI app over one engine (AsyncEngine) or data-parallel replicas (ReplicaSet, the
+    same methods). The engine's step loop starts with the app and stops with it."""
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
+    if isinstance(engine, AsyncEngine) and engine.metrics is None:
+        engine.observe(model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -140,7 +142,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.prometheus(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(dashboard_router(engine, model_name))
 
     def check_request(body: Any) -> None:
         if body.model is not None and body.model != model_name:
@@ -233,7 +237,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "this model has no tokenizer and chat template; use /v1/completions with token ids")
         conv = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
         try:
-            llm.check_text_length(sum(len(m["content"]) for m in conv), "messages have")
+            engine.check_text_length(sum(len(m["content"]) for m in conv), "messages have")
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         try:  # rendering and tokenizing a long conversation must not hold up the event loop

@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl, urlencode
 
 from starlette.exceptions import HTTPException
 
@@ -20,8 +21,17 @@ Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("ferry.server")
 
-# Paths an API key guards: the API itself and the pages that describe it.
-PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json", "/reset_prefix_cache")
+# Paths an API key guards: the API itself, the pages that describe it, the live dashboard.
+PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json", "/reset_prefix_cache", "/dashboard")
+# The one route that also takes the key as ``?key=KEY``: a browser opening a link sends no header.
+# Its data (/dashboard/state) still needs the header, which the page sends.
+KEY_IN_QUERY = "/dashboard"
+
+# What a browser gets at /dashboard without the key: a form that reopens it with ?key=.
+_KEY_FORM = b"""<!doctype html><meta charset="utf-8"><title>ferry dashboard</title>
+<form method="get" action="dashboard" style="font:16px sans-serif;margin:3em">
+<p>This server needs its API key.</p><input type="password" name="key" placeholder="API key" autofocus>
+<button>Open the dashboard</button></form>"""
 
 
 async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
@@ -33,8 +43,18 @@ async def send_error(send: Send, status: int, message: str, type_: str, code: st
     await send({"type": "http.response.body", "body": body})
 
 
+async def send_page(send: Send, status: int, html: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/html; charset=utf-8"),
+                            (b"content-length", str(len(html)).encode())]})
+    await send({"type": "http.response.body", "body": html})
+
+
 class Guard:
-    """Refuses requests without the API key (401) and bodies over ``max_request_bytes`` (413)."""
+    """Refuses requests without the API key (401) and bodies over ``max_request_bytes`` (413).
+
+    The key is ``Authorization: Bearer KEY``, or ``?key=KEY`` on ``GET /dashboard`` only (the
+    page then sends the header on its own requests); without it that page is a key form."""
 
     def __init__(self, app: Callable, api_key: str | None, max_request_bytes: int) -> None:
         self.app = app
@@ -46,11 +66,27 @@ class Guard:
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key or b"")
 
+    def query_key_ok(self, scope: Scope) -> bool:
+        """Whether this is ``GET /dashboard?key=KEY`` with the right key. The key is taken out of
+        the query string either way, so neither the app nor the access log (uvicorn logs this
+        same scope) ever sees it."""
+        if scope["method"] != "GET" or scope["path"] != KEY_IN_QUERY:
+            return False
+        pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        keys = [v for k, v in pairs if k == "key"]
+        if not keys:
+            return False
+        scope["query_string"] = urlencode([(k, v) for k, v in pairs if k != "key"]).encode()
+        return hmac.compare_digest(keys[-1].encode(), self.api_key or b"")
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith(PROTECTED) and not self.authorized(headers):
+        if (self.api_key and scope["path"].startswith(PROTECTED) and not self.query_key_ok(scope)
+                and not self.authorized(headers)):
+            if scope["method"] == "GET" and scope["path"] == KEY_IN_QUERY:
+                return await send_page(send, 401, _KEY_FORM)
             return await send_error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
                                     "invalid_request_error", "invalid_api_key",
                                     {"WWW-Authenticate": "Bearer"})

@@ -13,14 +13,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 class ServerMetrics:
     """Updated from the engine thread after every step; read by ``GET /metrics``."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, replica: str | None = None) -> None:
+        """``replica``: this engine's index among data-parallel replicas (a ``replica`` label on
+        every sample), None for a server of one engine."""
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name"] + (["replica"] if replica is not None else [])
+        values = [model_name] + ([replica] if replica is not None else [])
+        self.label_values = values
         r = self.registry
         sched = engine.scheduler
 
         def gauge(name: str, doc: str, fn) -> None:
-            Gauge(name, doc, labels, registry=r).labels(model_name).set_function(fn)
+            Gauge(name, doc, labels, registry=r).labels(*values).set_function(fn)
 
         gauge("ferry:num_requests_running", "Requests in the running batch.", lambda: sched.num_running)
         gauge("ferry:num_requests_waiting", "Requests waiting to be scheduled.", lambda: sched.num_waiting)
@@ -32,11 +36,11 @@ class ServerMetrics:
         gauge("ferry:spec_decode_mean_accepted_length", "Tokens per verify step so far: 1 + accepted drafts "
               "per verify (0 without drafts).",
               lambda: 1 + sched.num_accepted_tokens / sched.num_drafts if sched.num_drafts else 0.0)
-        self.preemptions = Counter("ferry:num_preemptions", "Preemptions (recompute).", labels, registry=r).labels(model_name)
+        self.preemptions = Counter("ferry:num_preemptions", "Preemptions (recompute).", labels, registry=r).labels(*values)
 
         def engine_counter(name: str, doc: str, read) -> None:
             # The engine counts; each step adds what it counted since the last one.
-            self._counters.append((Counter(name, doc, labels, registry=r).labels(model_name), read, [read()]))
+            self._counters.append((Counter(name, doc, labels, registry=r).labels(*values), read, [read()]))
 
         self._counters: list = []
         engine_counter("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -48,17 +52,17 @@ class ServerMetrics:
         engine_counter("ferry:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: sched.num_draft_tokens)
         engine_counter("ferry:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                        lambda: sched.num_accepted_tokens)
-        self.prompt_tokens = Counter("ferry:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("ferry:generation_tokens", "Generated tokens.", labels, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("ferry:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r).labels(*values)
+        self.generation_tokens = Counter("ferry:generation_tokens", "Generated tokens.", labels, registry=r).labels(*values)
         self.finished = Counter("ferry:request_success", "Finished requests by reason.", labels + ["finished_reason"],
                                 registry=r)
         self.failures = Counter("ferry:request_failures", "Requests failed by an error in their step (the "
                                 "other requests of that step are retried without them).", labels,
-                                registry=r).labels(model_name)
+                                registry=r).labels(*values)
         self.model_name = model_name
 
         def hist(name: str, doc: str):
-            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(*values)
 
         self.ttft = hist("ferry:time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("ferry:inter_token_latency_seconds", "Time between consecutive output tokens.")
@@ -68,7 +72,7 @@ class ServerMetrics:
 
     def on_abort(self, n: int) -> None:
         """Requests aborted by their client (disconnects): they leave without a step output."""
-        self.finished.labels(self.model_name, "abort").inc(n)
+        self.finished.labels(*self.label_values, "abort").inc(n)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called under the engine lock after each step with that step's outputs."""
@@ -99,5 +103,5 @@ class ServerMetrics:
             else:
                 self.failures.inc()
             if out.finished:
-                self.finished.labels(self.model_name, comp.finish_reason or "unknown").inc()
+                self.finished.labels(*self.label_values, comp.finish_reason or "unknown").inc()
                 self.e2e.observe(m.e2e)

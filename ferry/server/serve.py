@@ -35,6 +35,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them")
     g.add_argument("--log-level", default="info")
+    from ferry.server.router import add_router_args
+
+    add_router_args(p)
+    p.add_argument("--ray-address", default=None,
+                   help="with --data-parallel-size > 1: the Ray cluster to join ('auto', or host:port); "
+                        "default: start a local one")
 
 
 def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -47,19 +53,30 @@ def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    async_engine = AsyncEngine(lambda: LLMEngine.from_config(config), args.max_waiting_requests)
-    engine = async_engine.engine
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_NAME)
+    if args.data_parallel_size > 1:
+        from ferry.server.replicas import ReplicaSet
+        from ferry.server.router import RouterConfig
+
+        front = ReplicaSet(config, args.data_parallel_size, RouterConfig(policy=args.router_policy), name,
+                           args.max_waiting_requests, args.ray_address)
+        where = (f"{args.data_parallel_size} replicas on Ray, {front.infos[0]['num_kv_blocks']} KV blocks each, "
+                 f"router {args.router_policy}")
+    elif args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    else:
+        front = AsyncEngine(lambda: LLMEngine.from_config(config), args.max_waiting_requests)
+        where = f"{front.engine.num_kv_blocks} KV blocks"
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
-    app = build_app(async_engine, name, args.api_key, args.max_request_bytes, origins)
+    app = build_app(front, name, args.api_key, args.max_request_bytes, origins)
     print(f"ferry: serving {name!r} on http://{args.host}:{args.port} "
-          f"({engine.num_kv_blocks} KV blocks, max_model_len {engine.config.max_model_len})", flush=True)
+          f"({where}, max_model_len {front.max_model_len})", flush=True)
     # uvicorn re-raises the signal that stopped it to the handler that was there before it; a no-op
     # one makes the orderly shutdown exit 0, as a supervisor expects.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5),
-                            async_engine, args.shutdown_timeout)
+                            front, args.shutdown_timeout)
     server.run()
     return 0
 

@@ -26,6 +26,11 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
         return _calibrate(args, config)
     factory = _factory(args)
     config = _sim_dtype(config, factory)
+    if action == "route":
+        return _route(args, config, factory)
+    if args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size is for ferry simulate route (got {args.data_parallel_size} "
+                         f"with {action})")
     if action == "seed":
         from ferry.bench.seed_experiments import GPU, QUICK, run_seed_experiments
 
@@ -44,6 +49,57 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"simulating {args.model or 'smollm2-135m'} on {args.tensor_parallel_size} x {factory.hw.name}: "
           f"{factory.num_kv_blocks(config)} KV blocks of {config.block_size} tokens")
     return cmd_bench_run(args, config, factory)
+
+
+def parse_policies(text: str) -> list[str]:
+    """``all`` or comma-separated router policies, in the order given."""
+    from ferry.server.router import POLICIES
+
+    names = list(POLICIES) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise ValueError(f"--policies takes all or a comma-separated list of {', '.join(POLICIES)}; got {text!r}")
+    return names
+
+
+def _route(args: argparse.Namespace, config: EngineConfig, factory: Any) -> int:
+    """``ferry simulate route``: one workload through --dp replicas, once per router policy."""
+    from ferry.bench.commands import write_json
+    from ferry.bench.workload import load_workload, shared_prefix_workload, with_request_rate
+    from ferry.server.router import RouterConfig
+    from ferry.sim.replicas import route_table, run_replicas
+
+    dp = args.data_parallel_size
+    if dp < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {dp}")
+    policies = parse_policies(args.policies or args.router_policy)
+    rate = float("inf") if args.request_rate is None else args.request_rate
+    arrivals = "all at once" if rate == float("inf") else f"{rate:g} req/s"
+    if args.workload:
+        if args.num_prompts:
+            raise ValueError("give either --workload or --num-prompts, not both")
+        reqs = with_request_rate(load_workload(args.workload), args.request_rate, args.seed)
+        what = args.workload
+        if args.request_rate is None:
+            arrivals = "the workload's arrival times"
+    else:
+        reqs = shared_prefix_workload(args.num_prompts or 1000, args.num_groups, args.prefix_len, args.suffix_len,
+                                      args.output_len, rate, args.group_skew, args.seed, factory.model.vocab_size)
+        what = (f"{args.num_groups} groups (skew {args.group_skew:g}), prefix {args.prefix_len} + suffix "
+                f"{args.suffix_len} tokens, output {args.output_len}")
+    num_blocks = factory.num_kv_blocks(config)
+    print(f"simulating {dp} replicas of {args.model or 'smollm2-135m'} on {args.tensor_parallel_size} x "
+          f"{factory.hw.name}: {num_blocks} KV blocks of {config.block_size} tokens each; {len(reqs)} requests, "
+          f"{what}, {arrivals}")
+    runs = []
+    for policy in policies:
+        # The router remembers about as many blocks per replica as that replica's cache holds.
+        rc = RouterConfig(policy=policy, block_size=config.block_size, cached_blocks_per_replica=num_blocks)
+        runs.append(run_replicas(factory, config, reqs, dp, rc))
+    print("\n".join(route_table(runs)))
+    write_json(args.output_json, {"data_parallel_size": dp, "arrivals": arrivals, "workload": what,
+                                   "num_kv_blocks": num_blocks, "runs": [r.to_dict() for r in runs]})
+    return 0
 
 
 def _sim_dtype(config: EngineConfig, factory: Any) -> EngineConfig:
@@ -169,7 +225,6 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("simulation (--model is a preset or a config.json: " + ", ".join(MODELS) + ")")
     g.add_argument("--hardware", default="h100-sxm", help=f"a preset ({', '.join(HW)}) or a calibrated profile JSON")
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size")
     g.add_argument("--spec-acceptance-rate", type=float, default=0.5,
                    help="with --speculative-config: the chance each draft token is accepted")
 
@@ -179,11 +234,13 @@ def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
     from ferry.bench.commands import add_output_args, add_workload_args, parse_rate_arg
     from ferry.bench.seed_experiments import DEFAULT_MIXED
     from ferry.bench.sweep import SWEEPABLE
+    from ferry.server.router import add_router_args
 
     p = sub.add_parser("simulate", help="the engine loop and scheduler on a cost model of a GPU (or of this machine)",
                        description="run (default): one workload in simulated time; calibrate: fit a profile of "
-                                   "this machine; seed: the seed's experiments at GPU scale.")
-    p.add_argument("action", nargs="?", choices=("run", "calibrate", "seed"))
+                                   "this machine; seed: the seed's experiments at GPU scale; route: data-parallel "
+                                   "replicas behind the router, one run per --policies.")
+    p.add_argument("action", nargs="?", choices=("run", "calibrate", "seed", "route"))
     add_workload_args(p)
     p.add_argument("--request-rate", type=parse_rate_arg, default=None,
                    help="requests/s, Poisson (seeded by --seed); inf = all at once; default: the workload's own")
@@ -200,6 +257,16 @@ def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--no-plots", action="store_true", help="seed: tables only")
     p.add_argument("--only", default="abcdef", help="seed: which experiments, e.g. 'f' (default: all)")
     p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="seed: the mixed-lengths workload")
+    add_router_args(p)
+    g = p.add_argument_group("route (also --dp, --num-prompts (default 1000), --output-len, --request-rate, "
+                             "or a --workload file)")
+    g.add_argument("--policies", default=None, metavar="all|P,P",
+                   help="route: the router policies to compare, comma-separated, or all (default: --router-policy)")
+    g.add_argument("--num-groups", type=int, default=64, help="route: shared prefixes (system prompts)")
+    g.add_argument("--prefix-len", type=int, default=2000, help="route: tokens of each shared prefix")
+    g.add_argument("--suffix-len", type=int, default=200, help="route: unique tokens after the prefix")
+    g.add_argument("--group-skew", type=float, default=0.0,
+                   help="route: Zipf exponent of group popularity (0: uniform; 1: the top group of 64 gets ~21%%)")
     _add_sim_args(p)
     add_engine_args(p)
     p.set_defaults(func=run(cmd_simulate))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ferry.model.config import ModelConfig
+from ferry.model.shard_plan import ShardPlan
 from ferry.sim.hardware import Hardware
 
 
@@ -50,11 +51,12 @@ class StepTerms:
 
 class CostModel:
     def __init__(self, model: ModelConfig, hw: Hardware, tp: int = 1) -> None:
-        if tp < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-        if model.num_heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
-                             f"{model.num_heads} attention heads / {model.num_kv_heads} KV heads")
+        # The real engine's sharding decides what splits (heads by KV group, unevenly if need be);
+        # the cost divides evenly by tp, so an uneven split's largest rank is a little slower than this.
+        ShardPlan.make(model, 0, tp)
+        if tp > 1 and hw.interconnect_gbs <= 0:
+            raise ValueError(f"hardware {hw.name!r} has no interconnect_gbs: cannot model tensor parallelism "
+                             f"(give the profile the link's GB/s and allreduce_latency_us)")
         self.model, self.hw, self.tp = model, hw, tp
         m, b = model, hw.dtype_bytes
         q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -106,8 +108,6 @@ class CostModel:
             sec += t.gather_bytes / (hw.context_gather_gbs * 1e9)
         if self.tp > 1:
             link = hw.interconnect_gbs * 1e9
-            if link <= 0:
-                raise ValueError(f"hardware {hw.name!r} has no interconnect_gbs: cannot model tensor parallelism")
             msg = t.num_tokens * self.model.hidden_size * hw.dtype_bytes
             sec += 2 * self.model.num_layers * (hw.allreduce_latency_us * 1e-6
                                                 + 2 * (self.tp - 1) / self.tp * msg / link)
