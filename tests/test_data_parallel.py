@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -114,6 +115,25 @@ def test_prefix_aware_routing_metrics_and_state_per_replica(llm, browser):
                         if l.startswith("ferry:request_success_total") and f'replica="{r}"' in l and "length" in l)
             assert float(line.rsplit(" ", 1)[1]) >= 1
             assert f'ferry:replica_up{{model_name="{MODEL}",replica="{r}"}} 1.0' in text
+        # A replica that dies before its request streamed anything: the request moves to the other
+        # replica and succeeds (a long prompt keeps it in prefill, with no output, for seconds).
+        long_prompt = [1000 + (7 * i) % 20000 for i in range(3000)]
+        before = routed(url)
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(text=complete(url, long_prompt, 4)))
+        worker.start()
+        deadline = time.time() + 30
+        while not any(r["in_flight"] for r in state(url)):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        reps = state(url)
+        victim = next(int(r["replica"]) for r in reps if r["in_flight"])
+        os.kill(reps[victim]["pid"], signal.SIGKILL)
+        worker.join(120)
+        assert result.get("text"), "the request was not retried on the surviving replica"
+        after = routed(url)
+        assert after[victim] == before[victim] + 1 and after[1 - victim] == before[1 - victim] + 1
+        assert not state(url)[victim]["alive"]
 
 
 def test_round_robin_and_a_killed_replica_leaves_the_endpoint_serving():
