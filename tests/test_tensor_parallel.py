@@ -130,3 +130,36 @@ def test_a_dead_or_hung_rank_stops_the_engine_with_a_named_error(how):
     finally:
         llm.close()  # kills a stopped rank too
     assert not any(p.is_alive() for p in llm.engine.executor.procs)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_server_on_two_ranks_serves_then_reports_a_dead_rank():
+    import httpx
+
+    from tests.test_server import server
+
+    with server("--tensor-parallel-size", "2") as proc:
+        body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+        ok = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+        ranks = [p for p in _children(proc.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()
+                 and b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        bad = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
+        assert bad.status_code == 500 and "tensor-parallel rank" in bad.json()["error"]["message"]
+        health = httpx.get(proc.url + "/health", timeout=10)
+        assert health.status_code == 503 and "rank" in health.json()["error"]["message"]
+    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in ranks)
