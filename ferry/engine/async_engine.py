@@ -182,6 +182,8 @@ class AsyncEngine:
         await asyncio.to_thread(self.thread.join, 30)
         self._fail_all(EngineDead("the server is shutting down"))
         self.engine.close()
+        if self._live_pool is not None:
+            self._live_pool.shutdown(wait=False)
 
     def abort_all(self) -> int:
         """Abort every unfinished request (shutdown). Each stream still open gets its final,

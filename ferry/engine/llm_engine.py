@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 STEP_STATS_KEPT = 1000
 
 
+def tokenize_prompt(text: str, tokenizer: Any, max_model_len: int) -> list[int]:
+    """``LLMEngine.tokenize``, for a front that holds a tokenizer but no engine (data parallelism)."""
+    if tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+    check_text_length(len(text), "prompt has", max_model_len, tokenizer)
+    return tokenizer.encode(text, add_special_tokens=True) if text else []
+
+
 def check_text_length(chars: int, what: str, max_model_len: int, tokenizer: Any) -> None:
     """Raise ValueError when ``chars`` characters must be more tokens than ``max_model_len``: no
     token is longer than the vocabulary's longest (so a huge text is refused untokenized)."""
@@ -112,10 +120,8 @@ class LLMEngine:
         """A text prompt's token ids, as vLLM makes them for completions (BOS added where the
         model expects one). A text too long to fit max_model_len whatever it says is refused
         before any of it is tokenized: no token is longer than the longest in the vocabulary."""
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-        self.check_text_length(len(text), "prompt has")
-        return self.tokenizer.encode(text, add_special_tokens=True) if text else []
+        assert self.config.max_model_len is not None
+        return tokenize_prompt(text, self.tokenizer, self.config.max_model_len)
 
     def check_text_length(self, chars: int, what: str) -> None:
         """Raise ValueError when ``chars`` characters must be more tokens than max_model_len."""

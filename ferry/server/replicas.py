@@ -20,7 +20,7 @@ from typing import Any
 
 from ferry.config import EngineConfig
 from ferry.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, Stream, SubRequest, check_queueable
-from ferry.engine.llm_engine import check_text_length
+from ferry.engine.llm_engine import check_text_length, tokenize_prompt
 from ferry.engine.outputs import RequestOutput
 from ferry.server.router import NoReplicaAlive, Router, RouterConfig
 
@@ -146,6 +146,7 @@ class ReplicaSet:
                  max_waiting_requests: int | None = None, ray_address: str | None = None) -> None:
         import ray
 
+        from ferry.model.device import resolve_device
         from ferry.model.loader import resolve_model_dir
         from ferry.model.tokenizer import load_tokenizer
 
@@ -161,8 +162,6 @@ class ReplicaSet:
         local = ray_address is None
         if local and not config.num_threads:  # the cores shared out, not every replica on all of them
             config = replace(config, num_threads=max(1, int(cpus) // num_replicas))
-        from ferry.model.device import resolve_device
-
         # A replica on CUDA asks Ray for its GPUs (one per tensor-parallel rank), so each gets its own.
         gpus = config.tensor_parallel_size if resolve_device(config.device).type == "cuda" else 0
         worker = ray.remote(ReplicaWorker).options(num_cpus=min(1.0, cpus / num_replicas), num_gpus=gpus,
@@ -258,13 +257,7 @@ class ReplicaSet:
         for sub in subs:
             if id(sub.prompt) not in ids:
                 p = sub.prompt
-                if isinstance(p, str):
-                    if self.tokenizer is None:
-                        raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-                    self.check_text_length(len(p), "prompt has")
-                    ids[id(p)] = self.tokenizer.encode(p, add_special_tokens=True) if p else []
-                else:
-                    ids[id(p)] = list(p)
+                ids[id(p)] = tokenize_prompt(p, self.tokenizer, self.max_model_len) if isinstance(p, str) else list(p)
             out.append(replace(sub, token_ids=ids[id(sub.prompt)]))
         return out
 
