@@ -7,13 +7,13 @@ dashboard should go on answering meanwhile. Pure Python: the server imports it w
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
+from ferry.engine.metrics import percentile
 from ferry.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -32,16 +32,6 @@ class _Finished:
     at: float  # monotonic seconds
     ttft: float | None
     tpot: float | None
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile of ``values`` (numpy's default method); None if empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 class LiveState:

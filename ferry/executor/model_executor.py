@@ -96,11 +96,10 @@ class ModelExecutor:
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0,
-                 collectives: Callable[[ShardPlan, int], Collectives] | None = None,
-                 setup: ModelSetup | None = None) -> None:
+                 collectives: Callable[[ShardPlan, int], Collectives] | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        setup = setup or ModelSetup.resolve(config)
+        setup = ModelSetup.resolve(config)
         config, cfg = setup.config, setup.model_config
         self.device, self.dtype_name = setup.device, setup.dtype_name
         dtype = DTYPES[self.dtype_name]

@@ -12,7 +12,7 @@ a script that builds a tensor-parallel engine at top level needs ``if __name__ =
 (as with vLLM); ``ferry`` commands and pytest have it.
 
 Nothing hangs: the driver waits for each reply with a deadline, and sees a rank process die at
-once (its sentinel); a rank stuck in a collective gets torch.distributed's timeout. Either way
+once (its pipe closes); a rank stuck in a collective gets torch.distributed's timeout. Either way
 the engine stops with ExecutorDead, which names the rank.
 """
 from __future__ import annotations
@@ -128,32 +128,21 @@ class TensorParallelExecutor:
         deadline = time.monotonic() + timeout
         replies: dict[int, tuple[str, Any]] = {}
         waiting = {c: r for r, c in enumerate(self.conns)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         while waiting:
-            left = deadline - time.monotonic()
-            ready = connection.wait(list(waiting) + list(sentinels), timeout=max(0.0, left))
+            # A rank that dies closes its end of the pipe: its connection turns readable, at once.
+            ready = connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 ranks = ", ".join(str(r) for r in sorted(waiting.values()))
                 self._die(f"tensor-parallel rank(s) {ranks} did not answer in {timeout:.0f} s (a hung collective?)")
-            for obj in ready:
-                if obj in waiting:
-                    rank = waiting[obj]
-                    try:
-                        replies[rank] = obj.recv()
-                    except (EOFError, OSError):  # the rank is gone (its pipe closed with it)
-                        self.procs[rank].join(timeout=1)
-                        self._die(f"tensor-parallel rank {rank} died (exit code {self.procs[rank].exitcode})")
-                    del waiting[obj]
-                    if replies[rank][0] == "fatal":  # at once: the others may wait for it for ever
-                        self._die(f"tensor-parallel rank {rank} failed: {replies[rank][1]}")
-                elif obj in sentinels and sentinels[obj] in waiting.values():
-                    rank = sentinels[obj]
-                    if self.conns[rank] in ready:
-                        continue  # its last words are read above (or its closed pipe says it died)
-                    if self.conns[rank].poll():
-                        continue  # it answered before it exited: read on the next pass
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    replies[rank] = conn.recv()
+                except (EOFError, OSError):
                     self.procs[rank].join(timeout=1)
                     self._die(f"tensor-parallel rank {rank} died (exit code {self.procs[rank].exitcode})")
+                if replies[rank][0] == "fatal":  # at once: the others may wait for it for ever
+                    self._die(f"tensor-parallel rank {rank} failed: {replies[rank][1]}")
         errors = [v for _, (kind, v) in sorted(replies.items()) if kind == "error"]
         if errors:  # the rank that failed says why; the others only that one did
             raise RuntimeError(sorted(errors, key=lambda m: m == OTHER_RANK_FAILED)[0])

@@ -59,7 +59,6 @@ class ServerMetrics:
         self.failures = Counter("ferry:request_failures", "Requests failed by an error in their step (the "
                                 "other requests of that step are retried without them).", labels,
                                 registry=r).labels(*values)
-        self.model_name = model_name
 
         def hist(name: str, doc: str):
             return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(*values)

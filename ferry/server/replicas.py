@@ -116,13 +116,17 @@ class _Group:
     """The sub-requests of one API request, all on one replica."""
 
     key: str
-    subs: list[SubRequest]
-    token_ids: list[int]
+    subs: list[SubRequest]  # tokenized: each has its token_ids
     stream: "_ReplicaStream | None" = None
     replica: int = -1
     started: bool = False  # something was streamed: it can no longer move to another replica
     placing: bool = False  # being submitted: _place itself handles its replica dying
     done: set[int] = field(default_factory=set)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt the router reads (the group's sub-requests share it)."""
+        return self.subs[0].token_ids or []
 
 
 class _ReplicaStream(Stream):
@@ -176,7 +180,6 @@ class ReplicaSet:
         self.router = Router(num_replicas, router)
         self.model_name = model_name
         self.groups: dict[str, _Group] = {}
-        self.streams: dict[str, Any] = {}  # Stream's bookkeeping (unused here: groups hold it)
         self.error: BaseException | None = None
         self.draining = False
         self.stopping = False
@@ -187,7 +190,6 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
         self._pollers = [asyncio.create_task(self._poll(r)) for r in range(len(self.actors))]
 
     async def stop(self) -> None:
@@ -236,7 +238,7 @@ class ReplicaSet:
         check_queueable(len(subs), self.max_waiting_requests)
         subs = await asyncio.to_thread(self._tokenize, subs)
         self._counter += 1
-        group = _Group(f"req-{self._counter}", subs, list(subs[0].token_ids or ()))
+        group = _Group(f"req-{self._counter}", subs)
         group.stream = _ReplicaStream(self, group.key, len(subs))
         self.groups[group.key] = group
         try:
