@@ -51,8 +51,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``conversation`` rendered by the model's chat template, ready for the reply."""
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Token ids of ``conversation`` rendered by the model's chat template, ready for the reply;
+        ``tools`` (OpenAI's function specs) and ``template_kwargs`` (e.g. enable_thinking) go to it."""
+        return self.encode(self.render_chat(conversation, tools, add_generation_prompt, **template_kwargs))
+
+    def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        """The text of ``conversation`` through the chat template (see apply_chat_template)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         with TRANSFORMERS_LOCK:  # a server renders chats in several threads at once
@@ -60,8 +67,20 @@ class Tokenizer:
                 from transformers import AutoTokenizer
 
                 self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
-        text = self._hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return self._hf.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    @functools.cached_property
+    def chat_template(self) -> str:
+        """The chat template's source ("" when there is none): tool-call parsers are chosen from it."""
+        if not self.has_chat_template:
+            return ""
+        path = self.model_dir / "chat_template.jinja"
+        if path.is_file():
+            return path.read_text()
+        cfg = json.loads((self.model_dir / "tokenizer_config.json").read_text())
+        t = cfg.get("chat_template")
+        return t if isinstance(t, str) else json.dumps(t)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -1,0 +1,1 @@
+"""The OpenAI API routes, one module per endpoint."""
