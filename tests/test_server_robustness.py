@@ -62,8 +62,10 @@ def test_bad_completion_fields_are_400s_naming_the_field(guarded, body, param, s
 @pytest.mark.parametrize("body,param,says", [
     ({"max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
     ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens", ">= 1"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+     "tools[0].function.parameters", "not valid JSON Schema"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
 ])
 def test_bad_chat_fields_are_400s_naming_the_field(guarded, body, param, says):
     r = post(guarded, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})

@@ -6,7 +6,6 @@ string may hold a lone UTF-16 surrogate (the tokenizer cannot encode one).
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -195,6 +194,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, sent back
+    tool_call_id: StrictStr | None = None  # a tool result's call
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -204,15 +208,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template
+    include_reasoning: StrictBool = True  # vLLM's: False drops the reasoning from the reply
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.functions or self.function_call not in (None, "none"):
-            raise UnsupportedField("functions", "function calling is not supported")
-        if self.tools and self.tool_choice != "none":
-            raise UnsupportedField("tools", "tool calling is not supported (send tool_choice 'none' "
-                                            "or no tools)")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise UnsupportedField("tool_choice", f"tool_choice {json.dumps(self.tool_choice)} is not supported")
+            raise UnsupportedField("functions", "the deprecated functions field is not supported; send tools")

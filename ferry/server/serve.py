@@ -35,6 +35,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them")
     g.add_argument("--log-level", default="info")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "generic_json"],
+                   help="the format the model writes tool calls in (default: read from the chat template)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "think"],
+                   help="split the model's <think>...</think> text into reasoning_content (default: off)")
     from ferry.server.router import add_router_args
 
     add_router_args(p)
@@ -68,7 +73,8 @@ def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         front = AsyncEngine(lambda: LLMEngine.from_config(config), args.max_waiting_requests)
         where = f"{front.engine.num_kv_blocks} KV blocks"
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
-    app = build_app(front, name, args.api_key, args.max_request_bytes, origins)
+    app = build_app(front, name, args.api_key, args.max_request_bytes, origins, args.tool_call_parser,
+                    args.reasoning_parser)
     print(f"ferry: serving {name!r} on http://{args.host}:{args.port} "
           f"({where}, max_model_len {front.max_model_len})", flush=True)
     # uvicorn re-raises the signal that stopped it to the handler that was there before it; a no-op

@@ -48,11 +48,10 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
     ctx.check_model(body.model)
     tok = ctx.need_tokenizer()
     if body.messages is not None:
-        from ferry.server.openai.chat import conversation_of
+        from ferry.server.openai.chat import chat_prompt
 
-        conv = conversation_of(body.messages)
-        ids = await ctx.render_chat(conv, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
-                                    **(body.chat_template_kwargs or {}))
+        _, ids = await chat_prompt(ctx, body.messages, body.tools, None, None, body.chat_template_kwargs,
+                                   body.add_generation_prompt)
     else:
         try:
             ctx.engine.check_text_length(len(body.prompt or ""), "prompt has")

@@ -1,0 +1,135 @@
+"""Tool calling and reasoning through /v1/chat/completions, driven by the official openai SDK against
+an in-process server. The model is tiny, so valid calls come from required and named choices,
+which the grammar enforces."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.test_server import MODEL, serve_in_thread
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    from ferry.engine.async_engine import AsyncEngine
+    from ferry.engine.llm_engine import LLMEngine
+    from ferry.server.app import build_app
+
+    engine = AsyncEngine(LLMEngine.from_config(llm.config, llm.engine.executor))
+    with serve_in_thread(build_app(engine, MODEL, reasoning_parser=None)) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _valid(call) -> dict:
+    """The call's arguments, checked against its function's schema."""
+    from jsonschema import validate
+
+    args = json.loads(call.function.arguments)
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    validate(args, schema)
+    return args
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_required_or_named_choice_is_a_valid_call(client, choice):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=60, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert c.message.tool_calls and c.message.tool_calls[0].id.startswith("call_")
+    for call in c.message.tool_calls:
+        _valid(call)
+    if choice is NAMED:
+        assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_streamed_calls_accumulate_to_valid_json_in_the_sdk(client, choice):
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                        max_tokens=60, temperature=0) as s:
+        events = list(s)
+        final = s.get_final_completion()
+    c = final.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls
+    for call in c.message.tool_calls:
+        _valid(call)
+    assert any(e.type == "tool_calls.function.arguments.done" for e in events)
+
+
+def test_named_streaming_sends_openai_deltas(url):
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"].get("tool_calls") for c in chunks if c["choices"]]
+    deltas = [item for d in deltas if d for item in d]
+    first, rest = deltas[0], deltas[1:]
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    assert rest and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+    assert len(rest) > 1  # the arguments stream as they are sampled, not in one piece
+    json.loads("".join(d["function"]["arguments"] for d in rest))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_is_one_call(client):
+    ask = [{"role": "user", "content": "Weather in Paris, in Rome, and in Oslo? Call get_weather for each."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_a_tool_result_goes_back_and_the_model_answers(client, url):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                       max_tokens=60, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    conv = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    final = client.chat.completions.create(model=MODEL, messages=conv, tools=TOOLS, tool_choice="none",
+                                           max_tokens=30, temperature=0)
+    c = final.choices[0]
+    assert c.message.tool_calls is None and c.message.content and c.finish_reason in ("stop", "length")
+    # The call and its result are in the prompt (as /tokenize renders it, the same way).
+    t = httpx.post(url + "/tokenize", json={"messages": conv, "return_token_strs": True}, timeout=60).json()
+    assert t["count"] == final.usage.prompt_tokens == len(t["tokens"])
+    rendered = "".join(t["token_strs"])
+    assert '"name": "get_weather"' in rendered and "18 degrees and sunny" in rendered
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+     "tools[0].function.parameters", "not valid JSON Schema"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "already constrains"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "not supported"),
+])
+def test_bad_tool_input_is_a_400_naming_the_field(client, body, param, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param and says in err["message"]
