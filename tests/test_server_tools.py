@@ -32,7 +32,7 @@ def url(llm):
     from ferry.server.app import build_app
 
     engine = AsyncEngine(LLMEngine.from_config(llm.config, llm.engine.executor))
-    with serve_in_thread(build_app(engine, MODEL, reasoning_parser=None)) as u:
+    with serve_in_thread(build_app(engine, MODEL, reasoning_parser="qwen3")) as u:
         yield u
 
 
@@ -133,3 +133,116 @@ def test_bad_tool_input_is_a_400_naming_the_field(client, body, param, says):
         client.chat.completions.create(**{"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == param and says in err["message"]
+
+
+THINK = {"guided_regex": "<think>[a-z ]{4,20}</think>\n\nParis is sunny[.]"}  # a thinking model's shape
+
+
+def test_reasoning_is_split_from_the_answer(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, extra_body=THINK)
+    m = r.choices[0].message
+    assert m.content == "Paris is sunny." and m.reasoning_content and "<think>" not in m.reasoning_content
+    assert m.reasoning == m.reasoning_content  # vLLM's newer name, too
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                                 stream=True, extra_body=THINK))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == m.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == "Paris is sunny."
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from pathlib import Path
+
+    from ferry.model.loader import resolve_model_dir
+    from ferry.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_dir(None))
+    qwen3 = (Path(__file__).with_name("chat_templates") / "Qwen-Qwen3-0.6B.jinja").read_text()
+    off = tok.render_chat(ASK, None, chat_template=qwen3, enable_thinking=False)
+    on = tok.render_chat(ASK, None, chat_template=qwen3, enable_thinking=True)
+    assert off.endswith("<think>\n\n</think>\n\n") and not on.endswith("</think>\n\n")
+
+
+# ------------------------------------------------------------------ Anthropic's Messages API
+WEATHER_ANT = {"name": "get_weather", "description": "The weather in a city",
+               "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def ant(url):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+
+
+def test_anthropic_messages_create_and_count_tokens(ant):
+    r = ant.messages.create(model=MODEL, max_tokens=12, system="Answer briefly.", temperature=0,
+                            messages=[{"role": "user", "content": "Name a colour."}])
+    assert r.type == "message" and r.role == "assistant" and r.content[0].type == "text" and r.content[0].text
+    assert r.stop_reason in ("end_turn", "max_tokens") and r.usage.output_tokens <= 12
+    n = ant.messages.count_tokens(model=MODEL, system="Answer briefly.",
+                                  messages=[{"role": "user", "content": "Name a colour."}])
+    assert n.input_tokens == r.usage.input_tokens
+
+
+def test_anthropic_stop_sequences(ant):
+    ask = dict(model=MODEL, max_tokens=16, temperature=0, messages=[{"role": "user", "content": "Tell me about Paris."}])
+    free = ant.messages.create(**ask).content[0].text
+    word = free.split()[3]  # greedy, so the same text comes again: stop at its fourth word
+    r = ant.messages.create(**ask, stop_sequences=[word])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == word
+    assert r.content[0].text == free[:free.index(word)]
+
+
+def test_anthropic_stream_event_sequence(ant):
+    with ant.messages.stream(model=MODEL, max_tokens=10, temperature=0,
+                             messages=[{"role": "user", "content": "Name a colour."}]) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(kinds)
+    assert final.content[0].text and final.usage.output_tokens > 0
+
+
+def test_anthropic_tool_use_with_any_and_a_result_back(ant):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = ant.messages.create(model=MODEL, max_tokens=60, temperature=0, tools=[WEATHER_ANT],
+                            tool_choice={"type": "any"}, messages=ask)
+    assert r.stop_reason == "tool_use"
+    use = next(b for b in r.content if b.type == "tool_use")
+    assert use.name == "get_weather" and use.id.startswith("toolu_") and use.input["city"]
+    with ant.messages.stream(model=MODEL, max_tokens=60, temperature=0, tools=[WEATHER_ANT],
+                             tool_choice={"type": "tool", "name": "get_weather"}, messages=ask) as s:
+        final = s.get_final_message()
+    streamed = next(b for b in final.content if b.type == "tool_use")
+    assert final.stop_reason == "tool_use" and set(streamed.input) == {"city", "unit"}
+    back = ask + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": "18 degrees and sunny"}]}]
+    after = ant.messages.create(model=MODEL, max_tokens=20, temperature=0, tools=[WEATHER_ANT],
+                                tool_choice={"type": "none"}, messages=back)
+    assert after.content and after.content[0].type == "text"
+    assert ant.messages.count_tokens(model=MODEL, messages=back, tools=[WEATHER_ANT]).input_tokens > \
+        ant.messages.count_tokens(model=MODEL, messages=ask, tools=[WEATHER_ANT]).input_tokens
+
+
+@pytest.mark.parametrize("extra,says", [
+    ({"tools": [{"name": "f", "input_schema": {"type": "objekt"}}]}, "not valid JSON Schema"),
+    ({"tools": [WEATHER_ANT], "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
+    ({"tool_choice": {"type": "any"}}, "needs tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+])
+def test_anthropic_bad_input_is_a_400_in_anthropics_shape(ant, extra, says):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ant.messages.create(**{"model": MODEL, "max_tokens": 5,
+                               "messages": [{"role": "user", "content": "hi"}], **extra})
+    body = e.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert says in body["error"]["message"]
+
+
+def test_anthropic_validation_errors_have_anthropics_shape(url):
+    r = httpx.post(url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]

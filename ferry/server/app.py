@@ -1,9 +1,9 @@
 """The HTTP API over the async engine: ``build_app`` mounts one router per protocol.
 
 Routes: GET|HEAD /health, GET /metrics, POST /reset_prefix_cache (here); GET /v1/models[/{id}],
-POST /v1/completions, POST /v1/chat/completions (``openai/``); POST /tokenize, /detokenize
+POST /v1/completions, POST /v1/chat/completions (``openai/``); POST /v1/messages[/count_tokens] (``anthropic/``); POST /tokenize, /detokenize
 (``tokenize.py``); GET /dashboard[/state] (``dashboard.py``). Every error, whatever raised it, has
-OpenAI's body {"error": {"message", "type", "param", "code"}} (``errors.py``).
+OpenAI's body {"error": {"message", "type", "param", "code"}}, or Anthropic's under /v1/messages (``errors.py``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
               reasoning_parser: str | None = None) -> FastAPI:
     """The ASGI app over one engine (AsyncEngine) or data-parallel replicas (ReplicaSet, the
     same methods). The engine's step loop starts with the app and stops with it."""
-    from ferry.server.openai import chat, completions, models
     from ferry.server import tokenize
+    from ferry.server.anthropic import messages
+    from ferry.server.openai import chat, completions, models
 
     if isinstance(engine, AsyncEngine) and engine.metrics is None:
         engine.observe(model_name)
@@ -68,7 +69,7 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
     async def prometheus() -> Response:
         return Response(await engine.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (models, completions, chat, tokenize):
+    for module in (models, completions, chat, tokenize, messages):
         app.include_router(module.router)
     app.include_router(dashboard_router(engine, model_name))
     return app

@@ -1,0 +1,253 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API (what Claude
+Code and the anthropic SDK speak), on the same generation core, tools and reasoning as chat."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from ferry.engine.async_engine import EngineDead
+from ferry.server.anthropic.errors import anthropic_error_body
+from ferry.server.context import ServerContext, context
+from ferry.server.errors import APIError
+from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
+from ferry.server.openai.chat import ChoiceText, chat_prompt, tool_parser
+from ferry.server.protocol import ChatCompletionRequest, Number
+from ferry.server.tools.calls import ToolCall
+
+router = APIRouter()
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: StrictInt
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: StrictStr | list[dict[str, Any]] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: StrictStr | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+def _text(blocks: Any, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    out = []
+    for j, b in enumerate(blocks or []):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            raise APIError(400, f"{where}[{j}].type: {b.get('type') if isinstance(b, dict) else b!r} is not "
+                           "supported here (text only)", param=f"{where}[{j}].type")
+        out.append(str(b.get("text", "")))
+    return "".join(out)
+
+
+def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """Anthropic's system and content blocks as the chat messages the template renders."""
+    conv: list[dict[str, Any]] = []
+    if body.system:
+        conv.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise APIError(400, f"messages[{i}].role must be 'user' or 'assistant', got {role!r}",
+                           param=f"messages[{i}].role")
+        if isinstance(content, str):
+            conv.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of blocks",
+                           param=f"messages[{i}].content")
+        texts, calls, thinking = [], [], []
+        for j, b in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(str(b.get("text", "")))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append({"id": b.get("id"), "type": "function", "function": {
+                    "name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                result = _text(b.get("content"), f"{where}.content")
+                conv.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                             "content": ("Error: " if b.get("is_error") else "") + result})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                thinking.append(str(b.get("thinking", "")))
+            else:
+                raise APIError(400, f"{where}.type: block type {kind!r} is not supported in a {role} message",
+                               param=f"{where}.type")
+        if texts or calls or thinking:
+            msg: dict[str, Any] = {"role": role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            if thinking:
+                msg["reasoning_content"] = "".join(thinking)
+            conv.append(msg)
+    return conv
+
+
+def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
+    """Anthropic's tools and tool_choice in OpenAI's shape (the checks name Anthropic's fields)."""
+    tools = None
+    if body.tools is not None:
+        tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                   "parameters": t.get("input_schema")}}
+                 if isinstance(t, dict) else t for t in body.tools]
+    tc = body.tool_choice
+    if tc is None:
+        return tools, None, None
+    kind = tc.get("type")
+    parallel = False if tc.get("disable_parallel_tool_use") else None
+    if kind == "tool":
+        return tools, {"type": "function", "function": {"name": tc.get("name")}}, parallel
+    choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if choice is None:
+        raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice")
+    return tools, choice, parallel
+
+
+async def _prompt(ctx: ServerContext, body: MessagesRequest | CountTokensRequest):
+    tools, choice, parallel = _tools(body)
+    return await chat_prompt(ctx, conversation(body), tools, choice, parallel, None)
+
+
+def stop_reason(finish: str | None, stop: int | str | None, calls: list[ToolCall]) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) of a finished output."""
+    if finish == "length":
+        return "max_tokens", None
+    if calls:
+        return "tool_use", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def _tool_use(c: ToolCall) -> dict[str, Any]:
+    try:
+        args = json.loads(c.arguments)
+    except json.JSONDecodeError:
+        args = {}
+    return {"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name, "input": args}
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, raw: Request) -> dict[str, Any]:
+    ctx = context(raw)
+    ctx.check_model(body.model)
+    _, prompt = await _prompt(ctx, body)
+    return {"input_tokens": len(prompt)}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, raw: Request):
+    ctx = context(raw)
+    ctx.check_model(body.model)
+    if body.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be an integer >= 1, got {body.max_tokens}", param="max_tokens")
+    spec, prompt = await _prompt(ctx, body)
+    sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], max_tokens=body.max_tokens,
+                                     temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                     stop=body.stop_sequences)
+    override: dict[str, Any] = {"structured_outputs": spec.grammar()} if spec is not None and spec.constrained else {}
+    sp = ctx.params(sampling, body.max_tokens, None, None, **override)
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
+    parser = tool_parser(ctx)
+    mid = f"msg_{uuid.uuid4().hex}"
+    if body.stream:
+        return StreamingResponse(_events(ctx, stream, spec, parser, sp.stop, mid), media_type="text/event-stream")
+    out = (await collect(stream, raw))[0]
+    comp = out.outputs[0]
+    reasoning, text, calls = ChoiceText(ctx, spec, parser).whole(comp.text)
+    content: list[dict[str, Any]] = []
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text:
+        content.append({"type": "text", "text": text})
+    content += [_tool_use(c) for c in calls]
+    reason, seq = stop_reason(comp.finish_reason, comp.stop_reason, calls)
+    usage = usage_of([out], 1)
+    return {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": content,
+            "stop_reason": reason, "stop_sequence": seq,
+            "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                      "cache_read_input_tokens": usage.cached_tokens}}
+
+
+async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, stop: list[str],
+                  mid: str) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop,
+    message_delta (stop_reason, usage), message_stop; an error event if the request fails."""
+    text = ChoiceText(ctx, spec, parser)
+    usage = Usage(1)
+    index, open_kind = -1, None
+
+    def start(kind: str, block: dict[str, Any]) -> list[str]:
+        nonlocal index, open_kind
+        events = [sse({"type": "content_block_stop", "index": index}, "content_block_stop")] if open_kind else []
+        index, open_kind = index + 1, kind
+        return events + [sse({"type": "content_block_start", "index": index, "content_block": block},
+                             "content_block_start")]
+
+    def delta(d: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
+
+    try:
+        started = False
+        async for d in deltas(stream, 1, stop, usage):
+            if not started:
+                started = True
+                yield sse({"type": "message_start", "message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": 0}}}, "message_start")
+            reasoning, content, calls = text.feed(d.text, d.finished)
+            if reasoning:
+                if open_kind != "thinking":
+                    for e in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield e
+                yield delta({"type": "thinking_delta", "thinking": reasoning})
+            if content:
+                if open_kind != "text":
+                    for e in start("text", {"type": "text", "text": ""}):
+                        yield e
+                yield delta({"type": "text_delta", "text": content})
+            for c in calls:
+                if "id" in c:  # a new call: a tool_use block of its own
+                    block = _tool_use(ToolCall(c["function"]["name"], "{}", c["id"]))
+                    for e in start("tool_use", {**block, "input": {}}):
+                        yield e
+                if c["function"].get("arguments"):
+                    yield delta({"type": "input_json_delta", "partial_json": c["function"]["arguments"]})
+            if d.finished:
+                made = text.tools.calls if text.tools is not None else []
+                reason, seq = stop_reason(d.completion.finish_reason, d.completion.stop_reason, made)
+                if open_kind:
+                    yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                           "usage": {"output_tokens": usage.completion_tokens}}, "message_delta")
+                yield sse({"type": "message_stop"}, "message_stop")
+    except StreamFailed as f:
+        yield sse(anthropic_error_body(f.error), "error")
+    except EngineDead as e:
+        yield sse(anthropic_error_body(APIError(500, str(e), "server_error")), "error")
+    finally:
+        await stream.close()
