@@ -246,3 +246,60 @@ def test_anthropic_bad_input_is_a_400_in_anthropics_shape(ant, extra, says):
 def test_anthropic_validation_errors_have_anthropics_shape(url):
     r = httpx.post(url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ OpenAI's Responses API
+RESP_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_create_text_and_instructions(client):
+    r = client.responses.create(model=MODEL, input="Name a colour.", instructions="Answer in one word.",
+                                max_output_tokens=8, temperature=0)
+    assert r.object == "response" and r.status in ("completed", "incomplete") and r.output_text
+    assert r.output[0].type == "message" and r.usage.output_tokens <= 8
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_stream_events_and_final_text(client):
+    with client.responses.stream(model=MODEL, input="Name a colour.", instructions="Answer in one word.",
+                                 max_output_tokens=40, temperature=0) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()  # the SDK needs response.completed: the answer ended by itself
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert {"response.output_item.added", "response.content_part.added", "response.output_text.delta",
+            "response.output_text.done", "response.output_item.done"} <= set(kinds)
+    assert final.output_text
+
+
+def test_responses_function_call_and_its_output_back(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.responses.create(model=MODEL, input=ask, tools=[RESP_WEATHER], tool_choice="required",
+                                max_output_tokens=60, temperature=0)
+    call = next(o for o in r.output if o.type == "function_call")
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city", "unit"}
+    with client.responses.stream(model=MODEL, input=ask, tools=[RESP_WEATHER], max_output_tokens=60,
+                                 tool_choice={"type": "function", "name": "get_weather"}, temperature=0) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    streamed = next(o for o in final.output if o.type == "function_call")
+    assert "response.function_call_arguments.delta" in kinds and json.loads(streamed.arguments)["city"]
+    back = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
+    after = client.responses.create(model=MODEL, input=back, tools=[RESP_WEATHER], tool_choice="none",
+                                    max_output_tokens=20, temperature=0)
+    alone = client.responses.create(model=MODEL, input=ask, tools=[RESP_WEATHER], tool_choice="none",
+                                    max_output_tokens=1, temperature=0)
+    assert after.output_text and after.usage.input_tokens > alone.usage.input_tokens + 10  # call and output rendered
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [RESP_WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": [{"type": "image_generation_call"}]}, "input[0].type"),
+])
+def test_responses_bad_input_is_a_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra})
+    assert e.value.body["param"] == param

@@ -1,7 +1,7 @@
 """The HTTP API over the async engine: ``build_app`` mounts one router per protocol.
 
 Routes: GET|HEAD /health, GET /metrics, POST /reset_prefix_cache (here); GET /v1/models[/{id}],
-POST /v1/completions, POST /v1/chat/completions (``openai/``); POST /v1/messages[/count_tokens] (``anthropic/``); POST /tokenize, /detokenize
+POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (``openai/``); POST /v1/messages[/count_tokens] (``anthropic/``); POST /tokenize, /detokenize
 (``tokenize.py``); GET /dashboard[/state] (``dashboard.py``). Every error, whatever raised it, has
 OpenAI's body {"error": {"message", "type", "param", "code"}}, or Anthropic's under /v1/messages (``errors.py``).
 """
@@ -35,7 +35,7 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
     same methods). The engine's step loop starts with the app and stops with it."""
     from ferry.server import tokenize
     from ferry.server.anthropic import messages
-    from ferry.server.openai import chat, completions, models
+    from ferry.server.openai import chat, completions, models, responses
 
     if isinstance(engine, AsyncEngine) and engine.metrics is None:
         engine.observe(model_name)
@@ -69,7 +69,7 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
     async def prometheus() -> Response:
         return Response(await engine.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (models, completions, chat, tokenize, messages):
+    for module in (models, completions, chat, responses, tokenize, messages):
         app.include_router(module.router)
     app.include_router(dashboard_router(engine, model_name))
     return app
