@@ -303,3 +303,18 @@ def test_responses_bad_input_is_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra})
     assert e.value.body["param"] == param
+
+
+def test_metrics_count_requests_by_endpoint(client, url):
+    def count(endpoint: str, status: str) -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        line = next((ln for ln in text.splitlines() if ln.startswith("ferry:http_requests_total{")
+                     and f'endpoint="{endpoint}"' in ln and f'status="{status}"' in ln), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    before_ok, before_bad = count("/v1/responses", "200"), count("/v1/messages", "400")
+    client.responses.create(model=MODEL, input="hi", max_output_tokens=1)
+    httpx.post(url + "/v1/messages", json={"messages": []}, timeout=30)
+    httpx.get(url + "/no/such/path", timeout=30)
+    assert count("/v1/responses", "200") == before_ok + 1 and count("/v1/messages", "400") == before_bad + 1
+    assert count("other", "404") >= 1

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ferry.engine.async_engine import AsyncEngine
 from ferry.server.context import ServerContext
 from ferry.server.dashboard import dashboard_router
+from ferry.server.endpoint_metrics import EndpointMetrics
 from ferry.server.errors import APIError, error_response, install_error_handlers
 from ferry.server.guard import Guard
 
@@ -53,6 +54,13 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     install_error_handlers(app)
+    counted: list[EndpointMetrics] = []
+
+    def endpoint_metrics(inner: Any, model_name: str) -> EndpointMetrics:
+        counted.append(EndpointMetrics(inner, model_name))
+        return counted[-1]
+
+    app.add_middleware(endpoint_metrics, model_name=model_name)  # outermost: 401s and 413s count too
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -67,7 +75,8 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(await engine.prometheus(), media_type=CONTENT_TYPE_LATEST)
+        by_endpoint = counted[-1].text() if counted else b""
+        return Response(await engine.prometheus() + by_endpoint, media_type=CONTENT_TYPE_LATEST)
 
     for module in (models, completions, chat, responses, tokenize, messages):
         app.include_router(module.router)
