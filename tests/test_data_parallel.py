@@ -115,6 +115,16 @@ def test_prefix_aware_routing_metrics_and_state_per_replica(llm, browser):
                         if l.startswith("ferry:request_success_total") and f'replica="{r}"' in l and "length" in l)
             assert float(line.rsplit(" ", 1)[1]) >= 1
             assert f'ferry:replica_up{{model_name="{MODEL}",replica="{r}"}} 1.0' in text
+        # Tools and the other protocols go through the replicas as through one engine.
+        from tests.test_server_tools import ASK, NAMED, TOOLS
+
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        call = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                           max_tokens=60, temperature=0).choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
+        assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=2).output
+        assert httpx.post(url + "/v1/messages/count_tokens", json={"messages": ASK}).json()["input_tokens"] > 5
+        assert 'endpoint="/v1/chat/completions"' in httpx.get(url + "/metrics", timeout=30).text
         # A replica that dies before its request streamed anything: the request moves to the other
         # replica and succeeds (a long prompt keeps it in prefill, with no output, for seconds).
         long_prompt = [1000 + (7 * i) % 20000 for i in range(3000)]
