@@ -3,7 +3,7 @@ submission steps shared by all protocols. One per app, on ``app.state.ctx``."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -70,9 +70,7 @@ class ServerContext:
                prompt_logprobs: int | None, **override: Any) -> SamplingParams:
         try:
             sp = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
-            if override:
-                from dataclasses import replace
-
+            if override:  # fields a protocol sets itself (a tool call's grammar)
                 sp = replace(sp, **override)
             return sp
         except ValueError as e:
