@@ -318,3 +318,14 @@ def test_metrics_count_requests_by_endpoint(client, url):
     httpx.get(url + "/no/such/path", timeout=30)
     assert count("/v1/responses", "200") == before_ok + 1 and count("/v1/messages", "400") == before_bad + 1
     assert count("other", "404") >= 1
+
+
+def test_tokenize_and_detokenize_round_trip(url):
+    t = httpx.post(url + "/tokenize", json={"prompt": "The ferry left at dawn.", "return_token_strs": True}).json()
+    assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) and t["max_model_len"] > 0
+    back = httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()
+    assert back["prompt"] == "The ferry left at dawn."
+    bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(url + "/tokenize", json={"prompt": "x", "messages": ASK})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
