@@ -28,7 +28,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _Layer(ctypes.Structure):
     _fields_ = [(n, _p) for n in ("input_norm", "post_norm", "qkv_bias", "qkv", "o_proj", "gate_up", "down")] \
         + [(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")] \
-        + [("k_cache", _p), ("v_cache", _p)]
+        + [("k_cache", _p), ("v_cache", _p), ("window", _i64)]
 
 
 class _Dims(ctypes.Structure):
@@ -63,6 +63,7 @@ class FusedDecode:
                 t.gate_up, t.gate_up_type = _ptr_type(layer.gate_up)
                 t.down, t.down_type = _ptr_type(layer.down)
                 t.k_cache, t.v_cache = k.data_ptr(), v.data_ptr()
+                t.window = layer.window or 0
             self._table, self._caches = table, kv_caches
         return self._table
 

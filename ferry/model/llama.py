@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 shapes) on packed tokens.
+"""The decoder every registered architecture (``ferry.model.arch``) composes, on packed tokens:
+Llama's layer, with the options the architectures declare (qkv bias, per-head q/k norms,
+per-layer sliding windows, rope scalings).
 
 One forward pass takes every scheduled token of every request as one flat
 sequence with no padding. Projections are fused (qkv, gate+up) so each layer is
@@ -6,7 +8,6 @@ a few large matrix products; logits are computed only for the rows that sample.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from ferry.model.config import ModelConfig
 from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
 from ferry.model.kernels import kernels_usable, load_kernels
 from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
+from ferry.model.rope import apply_rope, rope_tables
 from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shard_rows
 
 Weight = torch.Tensor | QuantWeight
@@ -36,6 +38,9 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Weight  # [2 * intermediate, hidden]
     down: Weight
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMS norm of q and k before rope (Qwen3)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding window of this layer's attention (None: full)
 
 
 # Float32 weights (quantization none): up to KERNEL_ROWS rows the streaming kernel beats BLAS,
@@ -80,35 +85,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, [max_len, head_dim], in Hugging Face's half-split layout."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    sc = cfg.rope_scaling
-    if sc and sc["rope_type"] == "linear":
-        inv_freq = inv_freq / sc["factor"]
-    elif sc and sc["rope_type"] == "llama3":
-        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_len = sc.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv_freq = torch.where(is_mid, mid, scaled)
-    pos = torch.arange(max_len, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -178,8 +154,11 @@ class LlamaModel:
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=cat_rows([rows(p + "mlp.gate_proj.weight", mlp), rows(p + "mlp.up_proj.weight", mlp)]),
                 down=cols(p + "mlp.down_proj.weight", mlp),
+                q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
+                window=cfg.layer_windows[i],
             ))
-        cos, sin = rope_tables(cfg, max_len)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, max_len)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         self.q_size = self.num_heads * cfg.head_dim
@@ -189,7 +168,9 @@ class LlamaModel:
         # The kernels take any K (quantized weights come in whole blocks) and any head size. The
         # fused decode runs whole layers in C, with no place for the ranks' all-reduces inside a
         # layer: tensor-parallel ranks decode through torch.
-        self.fused = FusedDecode(cfg, self.layers, self.scale) if self.use_kernel and self.comm is None else None
+        # Architectures whose layers have more than the C decode computes (q/k norms) decode through torch.
+        self.fused = FusedDecode(cfg, self.layers, self.scale) \
+            if self.use_kernel and self.comm is None and cfg.fused_decode else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -212,11 +193,15 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias, use_kernel=kern)
             tick("qkv")
             # q and k sit side by side in qkv: rotate them in one pass.
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd), cos, sin)
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd)
+            if layer.q_norm is not None:
+                qk = torch.cat([rms_norm(qk[:, :hq], layer.q_norm, cfg.rms_norm_eps),
+                                rms_norm(qk[:, hq:], layer.k_norm, cfg.rms_norm_eps)], dim=1)
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, hd)
             tick("rope")
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern, window=layer.window)
             tick("attention")
             o = linear(o, layer.o_proj, use_kernel=kern)
             x = x + (o if comm is None else comm.all_reduce(o))

@@ -103,6 +103,9 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         if cfg.qkv_bias:
             for x, n_out in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
                 w[p + f"self_attn.{x}_proj.bias"] = rnd(n_out * hd)
+        if cfg.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = torch.ones(hd)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(hd)
         w[p + "mlp.gate_proj.weight"] = rnd(i, h)
         w[p + "mlp.up_proj.weight"] = rnd(i, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, i)
