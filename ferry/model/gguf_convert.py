@@ -166,6 +166,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     }
     if m("attention.key_length"):
         config["head_dim"] = m("attention.key_length")
+    if m("attention.sliding_window") and spec.hf_name == "LlamaForCausalLM":
+        # llama.cpp writes Mistral as a llama with a window: Hugging Face's name for that is Mistral.
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                      sliding_window=m("attention.sliding_window"))
     config.update({k: m(key) for k, key in spec.gguf_config.items() if m(key) is not None})
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
