@@ -36,6 +36,24 @@ def hf_config(kind: str):
         return tf.Qwen3Config(head_dim=24, rope_parameters=rope("default"), **COMMON)
     if kind == "mistral":
         return tf.MistralConfig(sliding_window=8, rope_parameters=rope("default"), **COMMON)
+    if kind == "gemma3":  # layers 0-2 windowed (base 10000), layer 3 global (base 1e6, linear scaling)
+        c = dict(COMMON, num_hidden_layers=4)
+        return tf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6}},
+                                   final_logit_softcapping=5.0, **c)
+    if kind == "phi3":  # longrope (short factors within the original 64 positions, and its attention factor)
+        hd = COMMON["hidden_size"] // COMMON["num_attention_heads"]
+        c = dict(COMMON, max_position_embeddings=128)
+        rp = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + 0.1 * i for i in range(hd // 2)],
+              "long_factor": [1.0 + 0.5 * i for i in range(hd // 2)], "original_max_position_embeddings": 64}
+        return tf.Phi3Config(rope_parameters=rp, original_max_position_embeddings=64, pad_token_id=0, **c)
+    if kind == "qwen3-moe":
+        c = dict(COMMON, num_hidden_layers=3)
+        return tf.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 norm_topk_prob=True, mlp_only_layers=[1], rope_parameters=rope("default"), **c)
     raise KeyError(kind)
 
 

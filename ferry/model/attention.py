@@ -64,7 +64,7 @@ class AttentionMetadata:
                 L, lo = window, (lens - window).clamp(min=0)
             pos = lo[:, None] + torch.arange(L, device=lens.device)[None, :]
             mask = pos < lens[:, None]
-            pos = torch.where(mask, pos, 0)
+            pos = torch.where(mask, pos, lo[:, None])  # padding reads an in-window slot, masked
             rows = torch.arange(lens.shape[0], device=lens.device)[:, None]
             slots = self.decode_block_tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
             self._gathered[window] = (slots, mask.view(-1, 1, 1, L))

@@ -35,10 +35,28 @@ class ModelConfig:
     # Per layer: the window it attends within (None: every earlier token); default sliding_window on all.
     layer_windows: tuple[int | None, ...] = ()
     fused_decode: bool = True  # the architecture's layers are what the fused C decode computes
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    norm_offset: float = 0.0  # RMS norms scale by (offset + w): Gemma's 1 + w
+    embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
+    # Per layer: (rope theta, rope scaling); default every layer (rope_theta, rope_scaling).
+    layer_ropes: tuple[tuple[float, dict[str, Any] | None], ...] = ()
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts: routed experts per token of the MLP layers where moe_layers says so.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
             self.layer_windows = (self.sliding_window,) * self.num_layers
+        if not self.layer_ropes:
+            self.layer_ropes = ((self.rope_theta, self.rope_scaling),) * self.num_layers
+        if not self.moe_layers:
+            self.moe_layers = (self.num_experts > 0,) * self.num_layers
 
     @property
     def max_window(self) -> int | None:
@@ -52,9 +70,10 @@ class ModelConfig:
         archs = d.get("architectures") or []
         spec = find(archs, d.get("model_type"), where)
         arch = spec.hf_name
-        act = d.get("hidden_act") or d.get("hidden_activation") or "silu"
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} in {where}; ferry runs 'silu' for {arch}")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        act = {"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {act!r} in {where}; ferry runs 'silu' and 'gelu_pytorch_tanh'")
         try:
             heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -75,6 +94,7 @@ class ModelConfig:
                 qkv_bias=bool(d.get("attention_bias", False)),
                 eos_token_ids=_id_list(d.get("eos_token_id")),
                 fused_decode=spec.fused_decode,
+                hidden_act=act,
             )
             fields.update(spec.configure(d))
             return cls(**fields)
@@ -99,6 +119,11 @@ def generation_eos_ids(model_dir: str | Path) -> list[int]:
 
 def _id_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+
+
+def rope_scaling(rope: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """A rope parameters dict as ferry keeps it (None: no scaling), or a ValueError naming the kind."""
+    return _rope_scaling(rope, where)
 
 
 def _rope_scaling(rope: dict[str, Any], where: str) -> dict[str, Any] | None:

@@ -70,14 +70,14 @@ def _yarn(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len
 
 
 def _longrope(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len: int) -> tuple[torch.Tensor, float]:
-    # Phi-3: per-dimension factors, the long ones once the served length passes the original one.
+    # Phi-3: per-dimension divisors, the short ones here (``rope_tables`` takes the long ones past
+    # the original length, position by position, as a KV cache needs).
     old_len = sc.get("original_max_position_embeddings") or max_pos
-    factors = sc["long_factor"] if max_len > old_len else sc["short_factor"]
     factor = sc.get("factor") or max_pos / old_len
     att = sc.get("attention_factor")
     if att is None:
         att = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
-    return inv / torch.tensor(factors, dtype=torch.float32), float(att)
+    return inv / torch.tensor(sc["short_factor"], dtype=torch.float32), float(att)
 
 
 def _freq_factors(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len: int) -> tuple[torch.Tensor, float]:
@@ -98,7 +98,13 @@ def rope_tables(head_dim: int, theta: float, scaling: dict[str, Any] | None, max
     sc = dict(scaling or {}, rope_theta=theta)
     inv, att = SCALINGS[sc.get("rope_type", "default")](inv, sc, head_dim, max_pos, max_len)
     pos = torch.arange(max_len, dtype=torch.float32)
-    emb = torch.cat((pos[:, None] * inv[None, :],) * 2, dim=-1)
+    freqs = pos[:, None] * inv[None, :]
+    if sc.get("rope_type") == "longrope":
+        old_len = sc.get("original_max_position_embeddings") or max_pos
+        base = inv * torch.tensor(sc["short_factor"], dtype=torch.float32)
+        long = pos[:, None] * (base / torch.tensor(sc["long_factor"], dtype=torch.float32))[None, :]
+        freqs = torch.where(pos[:, None] < old_len, freqs, long)
+    emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * att, emb.sin() * att
 
 

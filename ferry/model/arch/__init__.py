@@ -29,12 +29,14 @@ class Architecture:
     # ModelConfig fields read from GGUF metadata keys "{gguf_name}.KEY" (beyond the common ones).
     gguf_config: dict[str, str] = field(default_factory=dict)
     fused_decode: bool = True  # the C decode has every operation of these layers
+    # Checkpoint tensors that hold several of ferry's, split by rows at load (Phi-3's qkv_proj).
+    checkpoint_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _registry() -> dict[str, Architecture]:
-    from ferry.model.arch import llama, mistral, qwen2, qwen3
+    from ferry.model.arch import gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
 
-    archs = [llama.ARCH, mistral.ARCH, qwen2.ARCH, qwen3.ARCH]
+    archs = [llama.ARCH, mistral.ARCH, qwen2.ARCH, qwen3.ARCH, qwen3_moe.ARCH, gemma3.ARCH, phi3.ARCH]
     return {a.hf_name: a for a in archs}
 
 
