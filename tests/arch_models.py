@@ -54,6 +54,8 @@ def hf_config(kind: str):
         c = dict(COMMON, num_hidden_layers=3)
         return tf.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                  norm_topk_prob=True, mlp_only_layers=[1], rope_parameters=rope("default"), **c)
+    if kind == "smollm3":  # layers 0-2 rotate, layer 3 does not
+        return tf.SmolLM3Config(rope_parameters=rope("default"), pad_token_id=0, **dict(COMMON, num_hidden_layers=4))
     raise KeyError(kind)
 
 

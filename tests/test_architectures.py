@@ -12,7 +12,7 @@ from ferry import LLM, SamplingParams
 from tests.arch_models import hf_greedy, hf_logprobs, make_model, write_gguf
 
 KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen3", "mistral", "gemma3", "phi3",
-         "qwen3-moe"]
+         "qwen3-moe", "smollm3"]
 GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen3", "mistral"]  # llama.cpp has no dynamic rope
 PROMPTS = [[(7 * i + 3) % 300 + 2 for i in range(45)], [(11 * i + 5) % 300 + 2 for i in range(29)],
            [(7 * i + 3) % 300 + 2 for i in range(37)]]  # the third shares the first's first 37 tokens

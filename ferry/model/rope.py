@@ -85,7 +85,12 @@ def _freq_factors(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int,
     return inv / torch.tensor(sc["factors"], dtype=torch.float32), 1.0
 
 
+def _none(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len: int) -> tuple[torch.Tensor, float]:
+    return torch.zeros_like(inv), 1.0  # cos 1, sin 0: layers without rope (SmolLM3's every fourth)
+
+
 SCALINGS: dict[str, InvFreq] = {
+    "none": _none,
     "default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3, "yarn": _yarn,
     "longrope": _longrope, "freq_factors": _freq_factors,
 }
@@ -94,7 +99,7 @@ SCALINGS: dict[str, InvFreq] = {
 def rope_tables(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int,
                 max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_len, head_dim], in Hugging Face's half-split layout."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv = 1.0 / (max(theta, 1.0) ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     sc = dict(scaling or {}, rope_theta=theta)
     inv, att = SCALINGS[sc.get("rope_type", "default")](inv, sc, head_dim, max_pos, max_len)
     pos = torch.arange(max_len, dtype=torch.float32)

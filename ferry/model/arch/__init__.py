@@ -34,9 +34,10 @@ class Architecture:
 
 
 def _registry() -> dict[str, Architecture]:
-    from ferry.model.arch import gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
+    from ferry.model.arch import gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe, smollm3
 
-    archs = [llama.ARCH, mistral.ARCH, qwen2.ARCH, qwen3.ARCH, qwen3_moe.ARCH, gemma3.ARCH, phi3.ARCH]
+    archs = [llama.ARCH, mistral.ARCH, qwen2.ARCH, qwen3.ARCH, qwen3_moe.ARCH, gemma3.ARCH, phi3.ARCH,
+             smollm3.ARCH]
     return {a.hf_name: a for a in archs}
 
 
