@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ferry import LLM, SamplingParams
+from ferry.model.kernels import load_kernels
 from tests.arch_models import hf_greedy, hf_logprobs, make_model, write_gguf
 
 KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen3", "mistral", "gemma3", "phi3",
@@ -64,11 +65,15 @@ def engine(model: str, blocks: int = 26, **kw) -> LLM:
 # gives back are checked in test_sliding_window.py).
 BLOCKS = {"mistral": 40}  # room for the prefix cache to keep what the window passed
 NO_PREEMPTION = {"mistral"}
+# The architectures the fused C decode serves (the others decode through torch).
+FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen3", "mistral", "phi3", "smollm3"}
 
 
 def test_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):
     kind, path, model, refs, greedy = tiny
     llm = engine(str(path), BLOCKS.get(kind, 26))
+    if load_kernels() is not None:
+        assert (llm.engine.executor.model.fused is not None) == (kind in FUSED)
     diff = max_logprob_diff(llm, refs)
     print(f"{kind} safetensors max |d logprob| {diff:.2e}")
     assert diff < TOL

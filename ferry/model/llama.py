@@ -244,7 +244,7 @@ class LlamaModel:
         # fused decode runs whole layers in C, with no place for the ranks' all-reduces inside a
         # layer: tensor-parallel ranks decode through torch.
         # Architectures whose layers have more than the C decode computes (q/k norms) decode through torch.
-        self.fused = FusedDecode(cfg, self.layers, self.scale) \
+        self.fused = FusedDecode(cfg, self.layers, self.scale, self.ropes) \
             if self.use_kernel and self.comm is None and cfg.fused_decode else None
 
     @torch.inference_mode()

@@ -9,5 +9,4 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
 
 
 ARCH = Architecture("Qwen3ForCausalLM", "qwen3", gguf_name="qwen3", configure=configure,
-                    gguf_tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-                    fused_decode=False)
+                    gguf_tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"})

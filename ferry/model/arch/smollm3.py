@@ -22,5 +22,5 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
             "layer_windows": tuple(window if k == "sliding_attention" else None for k in kinds)}
 
 
-# The C decode rotates every layer with one table: the no-rope layers decode through torch.
-ARCH = Architecture("SmolLM3ForCausalLM", "smollm3", gguf_name="smollm3", configure=configure, fused_decode=False)
+# No GGUF form yet (llama.cpp's smollm3 leaves the no-rope layers to its code, not its metadata).
+ARCH = Architecture("SmolLM3ForCausalLM", "smollm3", configure=configure)

@@ -25,6 +25,8 @@ typedef struct {
     int64_t qkv_type, o_type, gate_up_type, down_type; /* -1: float32, else quant_gemm's type */
     float *k_cache, *v_cache;                          /* [slots, Hkv, D] */
     int64_t window;                                    /* sliding window, 0: none */
+    const float *q_norm, *k_norm;                      /* per-head RMS norm weights before rope, or NULL */
+    const float *cos, *sin;                            /* this layer's rope tables [positions, D] */
 } layer_t;
 
 typedef struct {
@@ -89,9 +91,15 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = 0; i < nqkv; i++) qkv[b * nqkv + i] += L->qkv_bias[i];
         LAP(T_QKV);
+        const float *lc = L->cos ? L->cos : cos, *ls = L->sin ? L->sin : sin;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
-            rope(row, Hq + Hkv, D, cos + positions[b] * D, sin + positions[b] * D);
+            if (L->q_norm) { /* Qwen3: each head's q and k normalised on their own */
+                for (int64_t hh = 0; hh < Hq; hh++) rms_norm(row + hh * D, L->q_norm, row + hh * D, 1, D, d->eps);
+                for (int64_t hh = 0; hh < Hkv; hh++)
+                    rms_norm(row + (Hq + hh) * D, L->k_norm, row + (Hq + hh) * D, 1, D, d->eps);
+            }
+            rope(row, Hq + Hkv, D, lc + positions[b] * D, ls + positions[b] * D);
             memcpy(q + b * Hq * D, row, sizeof(float) * Hq * D);
             memcpy(L->k_cache + slots[b] * kv, row + Hq * D, sizeof(float) * kv);
             memcpy(L->v_cache + slots[b] * kv, row + Hq * D + kv, sizeof(float) * kv);
