@@ -32,6 +32,8 @@ def hf_config(kind: str):
 
     if kind.startswith("llama"):
         return tf.LlamaConfig(rope_parameters=rope(kind.split("-", 1)[1]), **COMMON)
+    if kind == "qwen2":
+        return tf.Qwen2Config(rope_parameters=rope("default"), **COMMON)
     if kind == "qwen3":
         return tf.Qwen3Config(head_dim=24, rope_parameters=rope("default"), **COMMON)
     if kind == "mistral":
@@ -69,6 +71,8 @@ def make_model(kind: str, path: Path):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
+            elif name.endswith("bias"):  # Qwen2's q/k/v biases start at zero
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -90,7 +94,7 @@ def write_gguf(model, path: Path) -> Path:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}[cfg.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_context_length(cfg.max_position_embeddings)

@@ -12,9 +12,10 @@ from ferry import LLM, SamplingParams
 from ferry.model.kernels import load_kernels
 from tests.arch_models import hf_greedy, hf_logprobs, make_model, write_gguf
 
-KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen3", "mistral", "gemma3", "phi3",
-         "qwen3-moe", "smollm3"]
-GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen3", "mistral"]  # llama.cpp has no dynamic rope
+KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3",
+         "phi3", "qwen3-moe", "smollm3"]
+# llama.cpp has no dynamic rope, and ferry reads no GGUF of the last four yet.
+GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen2", "qwen3", "mistral"]
 PROMPTS = [[(7 * i + 3) % 300 + 2 for i in range(45)], [(11 * i + 5) % 300 + 2 for i in range(29)],
            [(7 * i + 3) % 300 + 2 for i in range(37)]]  # the third shares the first's first 37 tokens
 NEW = 12
@@ -66,7 +67,7 @@ def engine(model: str, blocks: int = 26, **kw) -> LLM:
 BLOCKS = {"mistral": 40}  # room for the prefix cache to keep what the window passed
 NO_PREEMPTION = {"mistral"}
 # The architectures the fused C decode serves (the others decode through torch).
-FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen3", "mistral", "phi3", "smollm3"}
+FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "phi3", "smollm3"}
 
 
 def test_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):
