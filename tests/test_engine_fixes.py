@@ -69,16 +69,17 @@ def test_engine_factory_loads_the_model_once_for_configs_left_to_the_model_lengt
     assert second.executor is first.executor and len(factory._executors) == 1
 
 
-def test_a_sliding_window_model_serves_only_within_its_window(tmp_path):
+def test_a_sliding_window_model_serves_its_whole_length_with_the_window_on_every_layer(tmp_path):
     cfg = tiny("mistral").to_dict()
     cfg.update(sliding_window=64, max_position_embeddings=256, architectures=["MistralForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(tmp_path), load_format="dummy")
-    assert llm.config.max_model_len == 64  # no silent full attention past the window
-    with pytest.raises(ValueError, match=r"max_model_len \(128\) is more than the model's sliding_window"):
-        LLM(model=str(tmp_path), load_format="dummy", max_model_len=128)
+    assert llm.config.max_model_len == 256  # the window is attention's, not a limit on the length
+    assert llm.engine.executor.model_config.layer_windows == (64, 64)
     # Qwen2 carries a window it does not use unless use_sliding_window is set.
     qwen = tiny("qwen2-bias").to_dict()
     qwen.update(sliding_window=64, use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(qwen))
-    assert LLM(model=str(tmp_path), load_format="dummy").config.max_model_len == qwen["max_position_embeddings"]
+    llm = LLM(model=str(tmp_path), load_format="dummy")
+    assert llm.config.max_model_len == qwen["max_position_embeddings"]
+    assert llm.engine.executor.model_config.layer_windows == (None, None)

@@ -28,9 +28,14 @@ class KVCacheManager:
     With ``enable_caching``, a request's full computed blocks are registered by hash chain
     (``cache_blocks``) and a new request starts from its longest cached run of full blocks
     (``find_cached``): those tokens need no compute.
+
+    With ``window`` (every layer of the model attends only to the last ``window`` positions),
+    blocks that no future query can see are given back as the request moves on
+    (``release_outside_window``); its table keeps their ids, which nothing reads again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -39,6 +44,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.num_queried_tokens = 0  # prompt tokens looked up in the cache
         self.num_hit_tokens = 0  # of those, found there
+        self.window = window
+        self.released: dict[str, int] = {}  # request id -> leading blocks of its table given back
 
     @property
     def num_blocks(self) -> int:
@@ -123,12 +130,31 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         request.num_cached_blocks = full
 
+    def release_outside_window(self, request: Request) -> None:
+        """Give back ``request``'s blocks that lie wholly before every future query's window (after a
+        step, its computed tokens final). Cached blocks stay in the prefix cache for others."""
+        if self.window is None:
+            return
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        # The next query sits at num_computed_tokens and sees (num_computed_tokens - window, ...].
+        first_seen = max(0, request.num_computed_tokens - self.window + 1)
+        upto = min(first_seen // self.block_size, len(table))
+        if self.enable_caching:
+            upto = min(upto, request.num_cached_blocks)  # registered first, so the prefix stays reusable
+        done = self.released.get(request.request_id, 0)
+        if upto > done:
+            self.pool.give_back(table[done:upto])
+            self.released[request.request_id] = upto
+
     def free(self, request: Request) -> None:
         """Drop ``request``'s references to its blocks (finish, abort or preemption)."""
         table = self.block_tables.pop(request.request_id, None)
+        done = self.released.pop(request.request_id, 0)
         request.num_cached_blocks = 0
         if table:
-            self.pool.give_back(table)
+            self.pool.give_back(table[done:])
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (for benchmarks and tests). Returns how many blocks it held."""

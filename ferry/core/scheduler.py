@@ -365,6 +365,7 @@ class Scheduler:
                 continue
             if not chunk.samples:
                 self.kv.cache_blocks(req)
+                self.kv.release_outside_window(req)
                 continue  # a prefill chunk short of the prompt's end: no token yet
             tokens = result.sampled[rid]
             if chunk.spec_token_ids:
@@ -389,6 +390,8 @@ class Scheduler:
             self.kv.cache_blocks(req)  # before a finish frees them: a finished prefix is reusable
             if status is not None:
                 self.finish_request(req, status)
+            else:
+                self.kv.release_outside_window(req)
             changed.append(req)
         return changed
 

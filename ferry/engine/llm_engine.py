@@ -59,8 +59,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock or WallClock()
+        # A model whose every layer has a sliding window lets the cache give back what it passed.
+        window = getattr(getattr(executor, "model_config", None), "max_window", None)
         self.kv = KVCacheManager(num_kv_blocks, config.block_size,
-                                 enable_caching=config.enable_prefix_caching and config.scheduler == "continuous")
+                                 enable_caching=config.enable_prefix_caching and config.scheduler == "continuous",
+                                 window=window)
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, self.clock)
         self.output_processor = OutputProcessor(self.scheduler, tokenizer)

@@ -30,13 +30,6 @@ log = logging.getLogger(__name__)
 def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     """The context length to serve: ``asked``, or the model's own, within what ferry computes exactly."""
     limit, why = cfg.max_position_embeddings, "the model's max_position_embeddings"
-    if cfg.sliding_window is not None and cfg.sliding_window < limit:
-        # Sliding-window attention is not implemented: within the window it equals full attention,
-        # so serve up to the window and never give a silently different answer beyond it.
-        limit, why = cfg.sliding_window, (f"the model's sliding_window (ferry does not implement sliding-window "
-                                          f"attention, so it serves contexts up to the window only)")
-        if asked is None:
-            log.warning("max_model_len set to %d: %s", limit, why)
     if asked is None:
         return limit
     if asked > limit:

@@ -3,7 +3,9 @@
 The packed batch holds single-token decodes first, then prefill chunks. New K/V
 are written into the block cache by slot mapping; every query then reads its
 request's context through the block table: causal inside its own chunk, full
-over the tokens computed in earlier steps.
+over the tokens computed in earlier steps. A layer with a sliding window of W
+(``window``) lets the query at position p see positions (p - W, p] only, and never
+gathers a slot before every query's window (those blocks may be given back).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class AttentionMetadata:
     block_size: int
     prefills: list[PrefillSpan]
     max_decode_len: int = 0  # known on the host: no device sync to size the gathered contexts
-    _gathered: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _gathered: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The same metadata with every tensor on ``device`` (a copy per step, small)."""
@@ -51,21 +53,44 @@ class AttentionMetadata:
             block_size=self.block_size, max_decode_len=self.max_decode_len,
             prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), mv(p.mask)) for p in self.prefills])
 
-    def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, L] slots of every decode's context (padded) and [B, 1, 1, L] mask, made once per step."""
-        if self._gathered is None:
+    def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] slots of every decode's context (padded; the last ``window`` positions only, with a
+        window) and [B, 1, 1, L] mask, made once per step and window."""
+        if window not in self._gathered:
             L = self.max_decode_len or int(self.decode_lens.max())
-            ar = torch.arange(L, device=self.decode_block_tables.device)
-            slots = self.decode_block_tables[:, ar // self.block_size] * self.block_size + ar % self.block_size
-            mask = (ar[None, :] < self.decode_lens[:, None]).view(-1, 1, 1, L)
-            self._gathered = (slots, mask)
-        return self._gathered
+            lens = self.decode_lens
+            lo = torch.zeros_like(lens)
+            if window is not None and window < L:
+                L, lo = window, (lens - window).clamp(min=0)
+            pos = lo[:, None] + torch.arange(L, device=lens.device)[None, :]
+            mask = pos < lens[:, None]
+            pos = torch.where(mask, pos, lo[:, None])  # padding reads an in-window slot, masked
+            rows = torch.arange(lens.shape[0], device=lens.device)[:, None]
+            slots = self.decode_block_tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
+            self._gathered[window] = (slots, mask.view(-1, 1, 1, L))
+        return self._gathered[window]
+
+
+def window_start(ctx_len: int, window: int | None) -> int:
+    """The first position any query of a chunk after ``ctx_len`` cached tokens can see."""
+    return 0 if window is None else max(0, ctx_len - window + 1)
+
+
+def _prefill_keys_and_mask(p: PrefillSpan, window: int | None, device: torch.device
+                           ) -> tuple[int, torch.Tensor | None]:
+    """(first context position gathered, mask over the gathered keys) of a prefill chunk's queries."""
+    start = window_start(p.ctx_len, window)
+    if window is None:
+        return 0, p.mask
+    q_pos = torch.arange(p.ctx_len, p.ctx_len + p.q_len, device=device)[:, None]
+    k_pos = torch.arange(start, p.ctx_len + p.q_len, device=device)[None, :]
+    return start, (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Reference decode path: gather each context into a padded batch, then SDPA."""
-    slots, mask = meta.decode_slots_and_mask()
+                           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Reference decode path: gather each context (its window) into a padded batch, then SDPA."""
+    slots, mask = meta.decode_slots_and_mask(window)
     kd = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
     vd = v_cache[slots].transpose(1, 2)
     return F.scaled_dot_product_attention(
@@ -73,8 +98,9 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Fast decode path: the C kernel reads K/V in place through the block tables."""
+                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Fast decode path: the C kernel reads K/V in place through the block tables (the last
+    ``window`` positions of each context, with a window)."""
     lib = load_kernels()
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -83,30 +109,33 @@ def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         meta.decode_lens.data_ptr(), out.data_ptr(), B, Hq, k_cache.shape[1], D,
-        meta.block_size, tables.shape[1], ctypes.c_float(scale))
+        meta.block_size, tables.shape[1], ctypes.c_float(scale), window or 0)
     return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, use_kernel: bool = True) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, Hq * D]."""
+                    meta: AttentionMetadata, scale: float, use_kernel: bool = True,
+                    window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, Hq * D].
+    ``window``: the layer's sliding window (None: full causal attention)."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
         decode = decode_attention_kernel if use_kernel else decode_attention_torch
-        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale, window)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)
+        start, mask = _prefill_keys_and_mask(p, window, q.device)
         if p.ctx_len == 0:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = k_cache[p.ctx_slots], v_cache[p.ctx_slots]
+            kp, vp = k_cache[p.ctx_slots[start:]], v_cache[p.ctx_slots[start:]]
         o = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=p.mask, is_causal=p.ctx_len == 0, scale=scale, enable_gqa=True)
+            attn_mask=mask, is_causal=mask is None and p.ctx_len == 0, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.view(q.shape[0], -1)

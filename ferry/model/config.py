@@ -1,4 +1,5 @@
-"""The Llama-family shape ferry runs, read from a Hugging Face config.json."""
+"""A model's shape, read from a Hugging Face config.json through its architecture's declaration
+(``ferry.model.arch``)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from ferry.model.arch import ARCHITECTURES, find
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "freq_factors")
 
 
 @dataclass
@@ -28,23 +31,53 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: list[int]
     sliding_window: int | None = None  # attention looks this many tokens back (Mistral); None: all
+    qk_norm: bool = False  # an RMS norm on each head's q and k before rope (Qwen3)
+    # Per layer: the window it attends within (None: every earlier token); default sliding_window on all.
+    layer_windows: tuple[int | None, ...] = ()
+    fused_decode: bool = True  # the architecture's layers are what the fused C decode computes
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    norm_offset: float = 0.0  # RMS norms scale by (offset + w): Gemma's 1 + w
+    embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
+    # Per layer: (rope theta, rope scaling); default every layer (rope_theta, rope_scaling).
+    layer_ropes: tuple[tuple[float, dict[str, Any] | None], ...] = ()
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts: routed experts per token of the MLP layers where moe_layers says so.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            self.layer_windows = (self.sliding_window,) * self.num_layers
+        if not self.layer_ropes:
+            self.layer_ropes = ((self.rope_theta, self.rope_scaling),) * self.num_layers
+        if not self.moe_layers:
+            self.moe_layers = (self.num_experts > 0,) * self.num_layers
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest window any layer keeps (None: some layer reads every earlier token)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not archs:
-            arch = _BY_MODEL_TYPE.get(d.get("model_type", ""))
-        if arch is None:
-            raise ValueError(f"unsupported architecture {archs or d.get('model_type')!r} in {where}; "
-                             f"ferry runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} in {where}; ferry runs 'silu'")
+        spec = find(archs, d.get("model_type"), where)
+        arch = spec.hf_name
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        act = {"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {act!r} in {where}; ferry runs 'silu' and 'gelu_pytorch_tanh'")
         try:
             heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-            return cls(
+            fields = dict(
                 architecture=arch,
                 vocab_size=d["vocab_size"],
                 hidden_size=d["hidden_size"],
@@ -58,12 +91,13 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(rope, where),
                 max_position_embeddings=d.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                qkv_bias=bool(d.get("attention_bias", False)),
                 eos_token_ids=_id_list(d.get("eos_token_id")),
-                # Qwen2 configs carry a window they do not use unless use_sliding_window is set.
-                sliding_window=d.get("sliding_window") if arch != "Qwen2ForCausalLM" or d.get("use_sliding_window")
-                else None,
+                fused_decode=spec.fused_decode,
+                hidden_act=act,
             )
+            fields.update(spec.configure(d))
+            return cls(**fields)
         except KeyError as e:
             raise ValueError(f"{where} lacks the field {e.args[0]!r}") from None
 
@@ -87,10 +121,15 @@ def _id_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
 
+def rope_scaling(rope: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """A rope parameters dict as ferry keeps it (None: no scaling), or a ValueError naming the kind."""
+    return _rope_scaling(rope, where)
+
+
 def _rope_scaling(rope: dict[str, Any], where: str) -> dict[str, Any] | None:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return None
-    if kind in ("llama3", "linear"):
+    if kind in ROPE_TYPES:
         return dict(rope, rope_type=kind)
-    raise ValueError(f"unsupported rope scaling {kind!r} in {where}; ferry supports default, linear and llama3")
+    raise ValueError(f"unsupported rope scaling {kind!r} in {where}; ferry supports {', '.join(ROPE_TYPES)}")

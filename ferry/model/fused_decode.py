@@ -28,7 +28,8 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _Layer(ctypes.Structure):
     _fields_ = [(n, _p) for n in ("input_norm", "post_norm", "qkv_bias", "qkv", "o_proj", "gate_up", "down")] \
         + [(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")] \
-        + [("k_cache", _p), ("v_cache", _p)]
+        + [("k_cache", _p), ("v_cache", _p), ("window", _i64)] \
+        + [(n, _p) for n in ("q_norm", "k_norm", "cos", "sin")]
 
 
 class _Dims(ctypes.Structure):
@@ -43,9 +44,11 @@ def _ptr_type(w: Any) -> tuple[int, int]:
 class FusedDecode:
     """Holds the layers' pointers for the C call; ``run`` updates the residual stream in place."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[Any], scale: float) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[Any], scale: float,
+                 ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.cfg = cfg
         self.layers = layers  # keeps the weights alive while the C side points at them
+        self.ropes = ropes or []  # per-layer rope tables (layer.rope indexes them), kept alive too
         self.dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size, 0, cfg.rms_norm_eps, scale)
         self._table: Any = None
@@ -63,6 +66,11 @@ class FusedDecode:
                 t.gate_up, t.gate_up_type = _ptr_type(layer.gate_up)
                 t.down, t.down_type = _ptr_type(layer.down)
                 t.k_cache, t.v_cache = k.data_ptr(), v.data_ptr()
+                t.window = layer.window or 0
+                t.q_norm = None if layer.q_norm is None else layer.q_norm.data_ptr()
+                t.k_norm = None if layer.k_norm is None else layer.k_norm.data_ptr()
+                if self.ropes:
+                    t.cos, t.sin = (r.data_ptr() for r in self.ropes[layer.rope])
             self._table, self._caches = table, kv_caches
         return self._table
 

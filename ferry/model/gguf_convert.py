@@ -1,4 +1,5 @@
-"""Turn a llama GGUF (the embedded SmolLM2 among them) into a Hugging Face directory.
+"""Turn a GGUF of a registered architecture (``ferry.model.arch``; the embedded SmolLM2 is a
+llama) into a Hugging Face directory.
 
 Weights are dequantized with the ``gguf`` library to float32; the tokenizer and
 chat template come from the GGUF's metadata through transformers' converter.
@@ -51,19 +52,29 @@ _NAMES = {
 }
 
 
+def _layer_names() -> dict[str, str]:
+    from ferry.model.arch import ARCHITECTURES
+
+    names = dict(_NAMES)
+    for a in ARCHITECTURES.values():  # llama.cpp gives one meaning to a name across architectures
+        names.update(a.gguf_tensors)
+    return names
+
+
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a llama GGUF tensor."""
+    """The Hugging Face name of a GGUF tensor (llama.cpp's names)."""
     base, kind = name.rsplit(".", 1)
     if base == "token_embd":
         return "model.embed_tokens." + kind
     if base == "output_norm":
         return "model.norm." + kind
-    if base == "output":
-        return "lm_head." + kind
+    if base in ("output", "rope_freqs"):  # rope_freqs: llama3 scaling, read into config.json
+        return ("lm_head." if base == "output" else "rope_freqs.") + kind
     _, layer, part = base.split(".", 2)
-    if part not in _NAMES:
+    names = _layer_names()
+    if part not in names:
         raise ValueError(f"unknown GGUF tensor {name!r}")
-    return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -72,14 +83,44 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_architecture(reader, where: str = "GGUF"):
+    """The registered architecture of a GGUF (a ValueError naming it if there is none)."""
+    from ferry.model.arch import by_gguf
+
+    f = reader.fields.get("general.architecture")
+    return by_gguf(None if f is None else f.contents(), where)
+
+
 def gguf_head_counts(reader) -> tuple[int, int]:
-    """(attention heads, KV heads) of a llama GGUF."""
+    """(attention heads, KV heads) of a GGUF."""
+    arch = gguf_architecture(reader).gguf_name
+
     def field(key: str):
-        f = reader.fields.get(f"llama.{key}")
+        f = reader.fields.get(f"{arch}.{key}")
         return None if f is None else f.contents()
 
     n_heads = field("attention.head_count")
     return n_heads, field("attention.head_count_kv") or n_heads
+
+
+def permuted_heads(reader) -> tuple[int, int]:
+    """(heads, KV heads) whose q/k rows llama.cpp interleaved, or (0, 0) where it kept them apart."""
+    return gguf_head_counts(reader) if gguf_architecture(reader).gguf_permuted_qk else (0, 0)
+
+
+def _rope_scaling(m, tensors: dict[str, np.ndarray]) -> dict | None:
+    """config.json's rope scaling from a GGUF: its rope_freqs tensor (llama3) or its metadata."""
+    if "rope_freqs.weight" in tensors:
+        return {"rope_type": "freq_factors", "factors": tensors.pop("rope_freqs.weight").tolist()}
+    kind = m("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; ferry reads linear and yarn")
+    out = {"rope_type": kind, "factor": float(m("rope.scaling.factor", 1.0))}
+    if kind == "yarn":
+        out["original_max_position_embeddings"] = m("rope.scaling.original_context_length")
+    return out
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -90,38 +131,46 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     reader = GGUFReader(str(gguf_path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; ferry converts 'llama'")
+    spec = gguf_architecture(reader, str(gguf_path))
+    arch = spec.gguf_name
 
     def m(key: str, default=None):
-        return meta.get(f"llama.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     n_heads, n_kv = gguf_head_counts(reader)
+    p_heads, p_kv = permuted_heads(reader)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_rope(w, n_heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_rope(w, n_kv)
+        if t.name.endswith("attn_q.weight") and p_heads:
+            w = unpermute_rope(w, p_heads)
+        elif t.name.endswith("attn_k.weight") and p_kv:
+            w = unpermute_rope(w, p_kv)
         tensors[hf_name(t.name)] = np.ascontiguousarray(w)
     tied = "lm_head.weight" not in tensors
     emb = tensors["model.embed_tokens.weight"]
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [spec.hf_name], "model_type": spec.model_type,
         "vocab_size": emb.shape[0], "hidden_size": m("embedding_length"),
         "intermediate_size": m("feed_forward_length"), "num_hidden_layers": m("block_count"),
         "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
         "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(m("rope.freq_base", 10000.0)),
         "max_position_embeddings": m("context_length", 2048), "hidden_act": "silu",
-        "tie_word_embeddings": tied, "attention_bias": False, "torch_dtype": "float32",
+        "tie_word_embeddings": tied, "attention_bias": any(n.endswith("q_proj.bias") for n in tensors),
+        "torch_dtype": "float32", "rope_scaling": _rope_scaling(m, tensors),
         "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents()
         if "tokenizer.ggml.bos_token_id" in reader.fields else None,
         "eos_token_id": reader.fields["tokenizer.ggml.eos_token_id"].contents()
         if "tokenizer.ggml.eos_token_id" in reader.fields else None,
     }
+    if m("attention.key_length"):
+        config["head_dim"] = m("attention.key_length")
+    if m("attention.sliding_window") and spec.hf_name == "LlamaForCausalLM":
+        # llama.cpp writes Mistral as a llama with a window: Hugging Face's name for that is Mistral.
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                      sliding_window=m("attention.sliding_window"))
+    config.update({k: m(key) for k, key in spec.gguf_config.items() if m(key) is not None})
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -129,8 +178,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
-    from transformers import AutoTokenizer
+    if "tokenizer.ggml.model" in reader.fields:  # a GGUF without a tokenizer serves token ids only
+        from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)

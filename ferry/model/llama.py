@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 shapes) on packed tokens.
+"""The decoder every registered architecture (``ferry.model.arch``) composes, on packed tokens:
+Llama's layer, with the options the architectures declare (qkv bias, per-head q/k norms,
+per-layer sliding windows, rope scalings).
 
 One forward pass takes every scheduled token of every request as one flat
 sequence with no padding. Projections are fused (qkv, gate+up) so each layer is
@@ -6,7 +8,6 @@ a few large matrix products; logits are computed only for the rows that sample.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,9 +19,43 @@ from ferry.model.config import ModelConfig
 from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
 from ferry.model.kernels import kernels_usable, load_kernels
 from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
+from ferry.model.rope import apply_rope, rope_tables
 from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shard_rows
 
 Weight = torch.Tensor | QuantWeight
+
+
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) [T, top_k] of each token: the softmax's top k, renormalised if ``renorm``."""
+    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def moe(h: torch.Tensor, layer: LayerWeights, top_k: int, renorm: bool, act: Callable) -> torch.Tensor:
+    """Routed experts: each token's top-k experts, weighted; each expert runs once over all its tokens."""
+    weights, chosen = route(h, layer.router, top_k, renorm)
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+    tokens = order // top_k
+    counts = torch.bincount(flat, minlength=layer.router.shape[0]).tolist()  # one host read per layer
+    xs, ys, start = h[tokens], torch.empty_like(h[tokens]), 0
+    for e, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(xs[start:start + n], layer.experts_gate_up[e]).chunk(2, dim=-1)
+            ys[start:start + n] = F.linear(act(gate) * up, layer.experts_down[e])
+            start += n
+    out = torch.zeros_like(h)
+    return out.index_add_(0, tokens, ys * weights.reshape(-1)[order, None].to(h.dtype))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
 
 
 def _no_tick(part: str) -> None:
@@ -36,6 +71,15 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Weight  # [2 * intermediate, hidden]
     down: Weight
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMS norm of q and k before rope (Qwen3)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding window of this layer's attention (None: full)
+    rope: int = 0  # which of the model's rope tables this layer rotates with
+    attn_out_norm: torch.Tensor | None = None  # norms on the attention's and the MLP's outputs (Gemma)
+    mlp_out_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [experts, hidden]: a mixture-of-experts layer's gate
+    experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden]
+    experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
 
 
 # Float32 weights (quantization none): up to KERNEL_ROWS rows the streaming kernel beats BLAS,
@@ -82,33 +126,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, [max_len, head_dim], in Hugging Face's half-split layout."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    sc = cfg.rope_scaling
-    if sc and sc["rope_type"] == "linear":
-        inv_freq = inv_freq / sc["factor"]
-    elif sc and sc["rope_type"] == "llama3":
-        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_len = sc.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv_freq = torch.where(is_mid, mid, scaled)
-    pos = torch.arange(max_len, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+def _distinct_ropes(cfg: ModelConfig) -> list[tuple[float, Any]]:
+    out: list[tuple[float, Any]] = []
+    for r in cfg.layer_ropes:
+        if r not in out:
+            out.append(r)
+    return out
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope_index(cfg: ModelConfig, layer: int) -> int:
+    return _distinct_ropes(cfg).index(cfg.layer_ropes[layer])
 
 
 class LlamaModel:
@@ -159,10 +186,17 @@ class LlamaModel:
                 weights[name] = shard_cols(weights[name], *span)
             return take(name)
 
+        def norm(name: str) -> torch.Tensor:  # Gemma's (1 + w) folded into the weight once
+            w = take(name)
+            return w + cfg.norm_offset if cfg.norm_offset else w
+
+        if cfg.num_experts and plan.world > 1:
+            raise ValueError("tensor parallelism does not shard mixture-of-experts layers yet: "
+                             "use tensor_parallel_size 1")
         self.embed = rows("model.embed_tokens.weight", vocab)
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
             else rows("lm_head.weight", vocab)
-        self.norm = take("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -170,26 +204,48 @@ class LlamaModel:
             bias = None
             if cfg.qkv_bias:
                 bias = torch.cat([rows(a + f"{x}_proj.bias", heads[x]) for x in "qkv"])
+            moe_layer = cfg.moe_layers[i]
+            gemma = cfg.sandwich_norms
+            m = p + "mlp."
             self.layers.append(LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=cat_rows([rows(a + f"{x}_proj.weight", heads[x]) for x in "qkv"]),
                 qkv_bias=bias,
                 o_proj=cols(a + "o_proj.weight", heads["q"]),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=cat_rows([rows(p + "mlp.gate_proj.weight", mlp), rows(p + "mlp.up_proj.weight", mlp)]),
-                down=cols(p + "mlp.down_proj.weight", mlp),
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
+                gate_up=None if moe_layer else cat_rows([rows(m + "gate_proj.weight", mlp), rows(m + "up_proj.weight", mlp)]),
+                down=None if moe_layer else cols(m + "down_proj.weight", mlp),
+                q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
+                window=cfg.layer_windows[i],
+                rope=_rope_index(cfg, i),
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
+                router=take(m + "gate.weight") if moe_layer else None,
+                experts_gate_up=torch.stack([torch.cat([take(f"{m}experts.{e}.gate_proj.weight"),
+                                                        take(f"{m}experts.{e}.up_proj.weight")])
+                                             for e in range(cfg.num_experts)]) if moe_layer else None,
+                experts_down=torch.stack([take(f"{m}experts.{e}.down_proj.weight") for e in range(cfg.num_experts)])
+                if moe_layer else None,
             ))
-        cos, sin = rope_tables(cfg, max_len)
-        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        # One table per distinct (theta, scaling) among the layers (Gemma: its local and global bases).
+        self.ropes = []
+        for theta, scaling in _distinct_ropes(cfg):
+            cos, sin = rope_tables(cfg.head_dim, theta, scaling, cfg.max_position_embeddings, max_len)
+            self.ropes.append((cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)))
+        self.cos, self.sin = self.ropes[0]
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
         # The kernels take any K (quantized weights come in whole blocks) and any head size. The
         # fused decode runs whole layers in C, with no place for the ranks' all-reduces inside a
         # layer: tensor-parallel ranks decode through torch.
-        self.fused = FusedDecode(cfg, self.layers, self.scale) if self.use_kernel and self.comm is None else None
+        # Architectures whose layers have more than the C decode computes (q/k norms) decode through torch.
+        self.fused = FusedDecode(cfg, self.layers, self.scale, self.ropes) \
+            if self.use_kernel and self.comm is None and cfg.fused_decode else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -205,34 +261,50 @@ class LlamaModel:
         if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
             self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
             return self._logits(x, logits_indices, tick)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            cos, sin = rotations[layer.rope]
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             tick("norm")
             qkv = linear(h, layer.qkv, layer.qkv_bias, use_kernel=kern)
             tick("qkv")
             # q and k sit side by side in qkv: rotate them in one pass.
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd), cos, sin)
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd)
+            if layer.q_norm is not None:
+                qk = torch.cat([rms_norm(qk[:, :hq], layer.q_norm, cfg.rms_norm_eps),
+                                rms_norm(qk[:, hq:], layer.k_norm, cfg.rms_norm_eps)], dim=1)
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, hd)
             tick("rope")
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, use_kernel=kern, window=layer.window)
             tick("attention")
             o = linear(o, layer.o_proj, use_kernel=kern)
-            x = x + (o if comm is None else comm.all_reduce(o))
+            o = o if comm is None else comm.all_reduce(o)
+            x = x + (o if layer.attn_out_norm is None else rms_norm(o, layer.attn_out_norm, cfg.rms_norm_eps))
             tick("o_proj")
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             tick("norm")
-            gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)
-            tick("gate_up")
-            h = F.silu(gate) * up
-            tick("act")
-            h = linear(h, layer.down, use_kernel=kern)
-            x = x + (h if comm is None else comm.all_reduce(h))
+            if layer.router is not None:
+                h = moe(h, layer, cfg.experts_per_token, cfg.norm_topk_prob, self.act)
+                tick("experts")
+            else:
+                gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)
+                tick("gate_up")
+                h = self.act(gate) * up
+                tick("act")
+                h = linear(h, layer.down, use_kernel=kern)
+                h = h if comm is None else comm.all_reduce(h)
+            x = x + (h if layer.mlp_out_norm is None else rms_norm(h, layer.mlp_out_norm, cfg.rms_norm_eps))
             tick("down")
         return self._logits(x, logits_indices, tick)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(input_ids)
+        # Gemma scales by sqrt(hidden) rounded to the weights' dtype, as Hugging Face does.
+        return x if self.cfg.embed_scale == 1.0 else x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             return dequantize(self.embed, input_ids) if isinstance(self.embed, QuantWeight) else self.embed[input_ids]
         # Vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is the lookup.
@@ -248,5 +320,8 @@ class LlamaModel:
         logits = linear(x, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
         if self.comm is not None:
             logits = self.comm.all_gather_vocab(logits)
+        if self.cfg.final_logit_softcap:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         tick("lm_head")
         return logits

@@ -59,7 +59,29 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
             log.warning("no C kernels here (no compiler?): quantized weights are dequantized to float32")
         else:
             return cached_gguf_weights(gguf, model_dir)
-    return load_safetensors(model_dir)
+    return unfuse(load_safetensors(model_dir), cfg)
+
+
+def unfuse(weights: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """Split the checkpoint tensors an architecture fuses (Phi-3's qkv_proj, gate_up_proj) into
+    ferry's names, by rows: the decoder fuses them again after any tensor-parallel slicing."""
+    from ferry.model.arch import ARCHITECTURES
+
+    fused = ARCHITECTURES[cfg.architecture].checkpoint_fused
+    if not fused:
+        return weights
+    hd = cfg.head_dim
+    for n in range(cfg.num_layers):
+        for src, parts in fused.items():
+            name = f"model.layers.{n}.{src}.weight"
+            if name not in weights:
+                continue
+            w = weights.pop(name)
+            sizes = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd] if len(parts) == 3 \
+                else [w.shape[0] // len(parts)] * len(parts)
+            for part, piece in zip(parts, torch.split(w, sizes)):
+                weights[f"model.layers.{n}.{part}.weight"] = piece.contiguous()
+    return weights
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -94,8 +116,9 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         w["lm_head.weight"] = rnd(cfg.vocab_size, h)
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        w[p + "input_layernorm.weight"] = torch.ones(h)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        for norm in ("input_layernorm", "post_attention_layernorm") + (
+                ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()):
+            w[p + norm + ".weight"] = torch.ones(h) - cfg.norm_offset * 0.5
         w[p + "self_attn.q_proj.weight"] = rnd(cfg.num_heads * hd, h)
         w[p + "self_attn.k_proj.weight"] = rnd(cfg.num_kv_heads * hd, h)
         w[p + "self_attn.v_proj.weight"] = rnd(cfg.num_kv_heads * hd, h)
@@ -103,6 +126,17 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         if cfg.qkv_bias:
             for x, n_out in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
                 w[p + f"self_attn.{x}_proj.bias"] = rnd(n_out * hd)
+        if cfg.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = torch.ones(hd)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(hd)
+        if cfg.moe_layers[n]:
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            w[p + "mlp.gate.weight"] = rnd(e, h)
+            for x in range(e):
+                w[p + f"mlp.experts.{x}.gate_proj.weight"] = rnd(mi, h)
+                w[p + f"mlp.experts.{x}.up_proj.weight"] = rnd(mi, h)
+                w[p + f"mlp.experts.{x}.down_proj.weight"] = rnd(h, mi)
+            continue
         w[p + "mlp.gate_proj.weight"] = rnd(i, h)
         w[p + "mlp.up_proj.weight"] = rnd(i, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, i)

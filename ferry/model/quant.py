@@ -169,10 +169,10 @@ def load_gguf_weights(path: Path) -> dict[str, torch.Tensor | QuantWeight]:
     """
     from gguf import GGUFReader
 
-    from ferry.model.gguf_convert import gguf_head_counts, hf_name, unpermute_rope
+    from ferry.model.gguf_convert import hf_name, permuted_heads, unpermute_rope
 
     reader = GGUFReader(str(path))
-    n_heads, n_kv = gguf_head_counts(reader)
+    n_heads, n_kv = permuted_heads(reader)  # (0, 0): q/k rows as Hugging Face keeps them
     out: dict[str, torch.Tensor | QuantWeight] = {}
     for t in reader.tensors:
         qtype = t.tensor_type.name

@@ -79,7 +79,7 @@ def load_kernels() -> ctypes.CDLL | None:
         tmp.replace(lib)
     so = ctypes.CDLL(str(lib))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    so.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32]
+    so.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32, i64]
     so.paged_decode_attention.restype = None
     so.skinny_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.skinny_gemm.restype = None

@@ -17,13 +17,16 @@ void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N,
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
 void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *tables,
                             const int64_t *lens, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale);
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window);
 
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias;
     const void *qkv, *o_proj, *gate_up, *down;
     int64_t qkv_type, o_type, gate_up_type, down_type; /* -1: float32, else quant_gemm's type */
     float *k_cache, *v_cache;                          /* [slots, Hkv, D] */
+    int64_t window;                                    /* sliding window, 0: none */
+    const float *q_norm, *k_norm;                      /* per-head RMS norm weights before rope, or NULL */
+    const float *cos, *sin;                            /* this layer's rope tables [positions, D] */
 } layer_t;
 
 typedef struct {
@@ -88,16 +91,22 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = 0; i < nqkv; i++) qkv[b * nqkv + i] += L->qkv_bias[i];
         LAP(T_QKV);
+        const float *lc = L->cos ? L->cos : cos, *ls = L->sin ? L->sin : sin;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
-            rope(row, Hq + Hkv, D, cos + positions[b] * D, sin + positions[b] * D);
+            if (L->q_norm) { /* Qwen3: each head's q and k normalised on their own */
+                for (int64_t hh = 0; hh < Hq; hh++) rms_norm(row + hh * D, L->q_norm, row + hh * D, 1, D, d->eps);
+                for (int64_t hh = 0; hh < Hkv; hh++)
+                    rms_norm(row + (Hq + hh) * D, L->k_norm, row + (Hq + hh) * D, 1, D, d->eps);
+            }
+            rope(row, Hq + Hkv, D, lc + positions[b] * D, ls + positions[b] * D);
             memcpy(q + b * Hq * D, row, sizeof(float) * Hq * D);
             memcpy(L->k_cache + slots[b] * kv, row + Hq * D, sizeof(float) * kv);
             memcpy(L->v_cache + slots[b] * kv, row + Hq * D + kv, sizeof(float) * kv);
         }
         LAP(T_ROPE);
         paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, attn, B, Hq, Hkv, D,
-                               d->block_size, max_blocks, d->scale);
+                               d->block_size, max_blocks, d->scale, L->window);
         LAP(T_ATTN);
         matmul(attn, L->o_proj, L->o_type, tmp, B, H, Hq * D);
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];

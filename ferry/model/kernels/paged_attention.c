@@ -164,12 +164,14 @@ static void one_range_plain(const float *q, const float *k, const float *v, cons
 void paged_decode_attention(const float *q, const float *k, const float *v,
                             const int64_t *tables, const int64_t *lens, float *out,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale) {
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
     const int64_t G = Hq / Hkv;
-    /* Work items: (request, range of RANGE slots); first[b] is request b's first item. */
+    /* Work items: (request, range of RANGE slots); first[b] is request b's first item. With a
+     * sliding window (window > 0) a request's ranges cover its last `window` positions only. */
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
+#define LO(b) (window > 0 && lens[b] > window ? lens[b] - window : 0)
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (lens[b] + RANGE - 1) / RANGE;
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (lens[b] - LO(b) + RANGE - 1) / RANGE;
     const int64_t items = first[B];
     int64_t *owner = malloc(sizeof(int64_t) * items);
     for (int64_t b = 0; b < B; b++)
@@ -181,7 +183,7 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
         float *scores = NULL;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t b = owner[it], j0 = (it - first[b]) * RANGE;
+            const int64_t b = owner[it], j0 = LO(b) + (it - first[b]) * RANGE;
             const int64_t j1 = j0 + RANGE < lens[b] ? j0 + RANGE : lens[b];
             const float *qb = q + b * Hq * D;
             if (!one_range_any(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
@@ -209,6 +211,7 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
                 for (int64_t d = 0; d < D; d++) o[d] /= total;
             }
     }
+#undef LO
     free(po);
     free(owner);
     free(first);

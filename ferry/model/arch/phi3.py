@@ -1,0 +1,28 @@
+"""Phi-3 (and Phi-4-mini shapes without partial rotary): the Llama layer with q, k, v fused into one
+checkpoint tensor and gate, up into another; longrope scaling for its long-context versions."""
+from typing import Any
+
+from ferry.model.arch import Architecture
+
+
+def configure(d: dict[str, Any]) -> dict[str, Any]:
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if float(rope.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("Phi models with partial_rotary_factor != 1 are not supported by ferry yet")
+    out: dict[str, Any] = {"sliding_window": d.get("sliding_window")}
+    if out["sliding_window"] is not None and out["sliding_window"] >= d.get("max_position_embeddings", 0):
+        out["sliding_window"] = None  # a window as long as the model is no window
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        from ferry.model.config import rope_scaling
+
+        sc = dict(rope, original_max_position_embeddings=rope.get("original_max_position_embeddings")
+                  or d.get("original_max_position_embeddings"))
+        out["rope_scaling"] = rope_scaling(sc, "config.json")
+    return out
+
+
+# No GGUF form yet (llama.cpp's phi3 keeps gate and up in its ffn_up).
+ARCH = Architecture("Phi3ForCausalLM", "phi3", configure=configure,
+                    checkpoint_fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
+                                                             "self_attn.v_proj"),
+                                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")})

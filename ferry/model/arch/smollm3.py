@@ -1,0 +1,26 @@
+"""SmolLM3 (Hugging Face's small model, the successor of the embedded SmolLM2): the Llama layer with
+no rotary embedding on every fourth layer (``no_rope_layers``: 1 rotates, 0 does not)."""
+from typing import Any
+
+from ferry.model.arch import Architecture
+
+NO_ROPE = (0.0, {"rope_type": "none"})  # an identity rotation
+
+
+def configure(d: dict[str, Any]) -> dict[str, Any]:
+    from ferry.model.config import rope_scaling
+
+    n = d["num_hidden_layers"]
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    full = (theta, rope_scaling(rope, "config.json"))
+    interval = d.get("no_rope_layer_interval", 4)
+    uses = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    kinds = d.get("layer_types") or ["full_attention"] * n
+    return {"layer_ropes": tuple(full if u else NO_ROPE for u in uses),
+            "layer_windows": tuple(window if k == "sliding_attention" else None for k in kinds)}
+
+
+# No GGUF form yet (llama.cpp's smollm3 leaves the no-rope layers to its code, not its metadata).
+ARCH = Architecture("SmolLM3ForCausalLM", "smollm3", configure=configure)

@@ -1,0 +1,161 @@
+"""Tiny random models made by transformers itself, and the same weights written as a GGUF with the
+gguf library's writer under llama.cpp's tensor and metadata names (a test helper)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=VOCAB - 1,
+              bos_token_id=1, tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def rope(kind: str) -> dict[str, Any]:
+    """Llama 3.x-style rope parameters, scaled so that tiny prompts (past 32 positions) feel it."""
+    base = {"rope_theta": 500.0, "rope_type": kind}
+    if kind == "llama3":
+        return dict(base, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+    if kind == "yarn":
+        return dict(base, factor=4.0, original_max_position_embeddings=64)
+    if kind in ("linear", "dynamic"):
+        return dict(base, factor=2.0)
+    return base
+
+
+def hf_config(kind: str):
+    """The transformers config of one test model: llama-<rope kind>, qwen3, or mistral (window 8)."""
+    import transformers as tf
+
+    if kind.startswith("llama"):
+        return tf.LlamaConfig(rope_parameters=rope(kind.split("-", 1)[1]), **COMMON)
+    if kind == "qwen2":
+        return tf.Qwen2Config(rope_parameters=rope("default"), **COMMON)
+    if kind == "qwen3":
+        return tf.Qwen3Config(head_dim=24, rope_parameters=rope("default"), **COMMON)
+    if kind == "mistral":
+        return tf.MistralConfig(sliding_window=8, rope_parameters=rope("default"), **COMMON)
+    if kind == "gemma3":  # layers 0-2 windowed (base 10000), layer 3 global (base 1e6, linear scaling)
+        c = dict(COMMON, num_hidden_layers=4)
+        return tf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6}},
+                                   final_logit_softcapping=5.0, **c)
+    if kind == "phi3":  # longrope (short factors within the original 64 positions, and its attention factor)
+        hd = COMMON["hidden_size"] // COMMON["num_attention_heads"]
+        c = dict(COMMON, max_position_embeddings=128)
+        rp = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + 0.1 * i for i in range(hd // 2)],
+              "long_factor": [1.0 + 0.5 * i for i in range(hd // 2)], "original_max_position_embeddings": 64}
+        return tf.Phi3Config(rope_parameters=rp, original_max_position_embeddings=64, pad_token_id=0, **c)
+    if kind == "qwen3-moe":
+        c = dict(COMMON, num_hidden_layers=3)
+        return tf.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 norm_topk_prob=True, mlp_only_layers=[1], rope_parameters=rope("default"), **c)
+    if kind == "smollm3":  # layers 0-2 rotate, layer 3 does not
+        return tf.SmolLM3Config(rope_parameters=rope("default"), pad_token_id=0, **dict(COMMON, num_hidden_layers=4))
+    raise KeyError(kind)
+
+
+def make_model(kind: str, path: Path):
+    """A random model of ``kind`` saved in ``path`` (eager attention, float32), returned in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms away from 1, so a missed or misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith("bias"):  # Qwen2's q/k/v biases start at zero
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's llama layout: each head's rows as interleaved (even, odd) pairs instead of two halves.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def write_gguf(model, path: Path) -> Path:
+    """``model``'s weights as a float32 GGUF of its llama.cpp architecture (llama, qwen3)."""
+    import gguf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = model.config
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rp = cfg.rope_parameters
+    w.add_rope_freq_base(rp["rope_theta"])
+    kind = rp.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    if kind == "llama3":  # llama.cpp keeps llama3 scaling as per-frequency divisors
+        inv = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")[0]
+        base = 1.0 / (rp["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        w.add_tensor("rope_freqs.weight", (base / inv).numpy().astype(np.float32))
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            part, kind_ = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{_LAYER[part]}.{kind_}"
+            if arch == "llama" and part == "self_attn.q_proj":
+                a = _permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and part == "self_attn.k_proj":
+                a = _permute(a, cfg.num_key_value_heads)
+        w.add_tensor(out, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hf_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1] transformers' log-probability of each prompt token after the ones before it."""
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    return lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return gen[0, len(prompt):].tolist()

@@ -1,0 +1,134 @@
+"""Each registered architecture against transformers: a tiny random model made by transformers,
+from its safetensors directory and from a GGUF of the same weights; prompt logprobs and greedy
+tokens, with chunked prefill (across window edges), preemption and prefix caching on."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ferry import LLM, SamplingParams
+from ferry.model.kernels import load_kernels
+from tests.arch_models import hf_greedy, hf_logprobs, make_model, write_gguf
+
+KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3",
+         "phi3", "qwen3-moe", "smollm3"]
+# llama.cpp has no dynamic rope, and ferry reads no GGUF of the last four yet.
+GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen2", "qwen3", "mistral"]
+PROMPTS = [[(7 * i + 3) % 300 + 2 for i in range(45)], [(11 * i + 5) % 300 + 2 for i in range(29)],
+           [(7 * i + 3) % 300 + 2 for i in range(37)]]  # the third shares the first's first 37 tokens
+NEW = 12
+TOL = 2e-4
+
+
+_MADE: dict[str, tuple] = {}
+
+
+def _tiny(kind: str, tmp_path_factory) -> tuple:
+    if kind not in _MADE:
+        path = tmp_path_factory.mktemp(kind)
+        model = make_model(kind, path)
+        refs = [hf_logprobs(model, p) for p in PROMPTS]
+        greedy = [hf_greedy(model, p, NEW) for p in PROMPTS]
+        _MADE[kind] = (kind, path, model, refs, greedy)
+    return _MADE[kind]
+
+
+@pytest.fixture(params=KINDS)
+def tiny(request, tmp_path_factory):
+    return _tiny(request.param, tmp_path_factory)
+
+
+@pytest.fixture(params=GGUF_KINDS)
+def tiny_gguf(request, tmp_path_factory):
+    return _tiny(request.param, tmp_path_factory)
+
+
+def max_logprob_diff(llm: LLM, refs: list[torch.Tensor]) -> float:
+    """The largest |ferry - transformers| prompt logprob over the prompts."""
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, prompt_logprobs=0)
+    worst = 0.0
+    for p, ref, out in zip(PROMPTS, refs, llm.generate(PROMPTS, sp, use_tqdm=False)):
+        got = torch.tensor([out.prompt_logprobs[j][p[j]] for j in range(1, len(p))])
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst
+
+
+def engine(model: str, blocks: int = 26, **kw) -> LLM:
+    # A 16-token budget cuts every prompt into chunks (the window is 8); few blocks force preemption.
+    return LLM(model=model, max_num_batched_tokens=16, max_num_seqs=3, block_size=4, num_kv_blocks=blocks,
+               enable_prefix_caching=True, **kw)
+
+
+# A model whose every layer has a window gives back the blocks the window passed, so three requests
+# fit in the fewest blocks one of them needs to be admitted: it never preempts here (the blocks it
+# gives back are checked in test_sliding_window.py).
+BLOCKS = {"mistral": 40}  # room for the prefix cache to keep what the window passed
+NO_PREEMPTION = {"mistral"}
+# The architectures the fused C decode serves (the others decode through torch).
+FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "phi3", "smollm3"}
+
+
+def test_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):
+    kind, path, model, refs, greedy = tiny
+    llm = engine(str(path), BLOCKS.get(kind, 26))
+    if load_kernels() is not None:
+        assert (llm.engine.executor.model.fused is not None) == (kind in FUSED)
+    diff = max_logprob_diff(llm, refs)
+    print(f"{kind} safetensors max |d logprob| {diff:.2e}")
+    assert diff < TOL
+    assert (llm.engine.num_preemptions > 0) != (kind in NO_PREEMPTION)
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
+    for _ in range(2):  # the second time from the prefix cache (the third prompt hits the first's blocks both times)
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == greedy
+        # The decode steps' logprobs (the fused C decode where the architecture has it) too.
+        for p, g, out in zip(PROMPTS, greedy, outs):
+            ref = hf_logprobs(model, p + g)[-NEW:]
+            got = torch.tensor([out.outputs[0].logprobs[j][g[j]] for j in range(NEW)])
+            assert float((got - ref).abs().max()) < TOL
+    assert llm.engine.scheduler.kv.num_hit_tokens > 0
+
+
+def test_speculative_verify_matches_transformers(tiny):
+    kind, path, model, refs, greedy = tiny
+    llm = engine(str(path), speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                    prompt_lookup_max=3))
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 5  # longer than the window, and the drafter finds drafts in it
+    outs = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, min_tokens=16), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == hf_greedy(model, prompt, 16)
+    assert llm.engine.scheduler.num_drafts > 0
+
+
+def test_the_same_weights_from_a_gguf_match_transformers(tiny_gguf, tmp_path, monkeypatch):
+    kind, path, model, refs, greedy = tiny_gguf
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(model, tmp_path / f"{kind}.gguf")
+    for quant in ("gguf", "none"):  # kept as the GGUF's tensors, and converted to a directory
+        llm = engine(str(gguf), quantization=quant)
+        assert llm.engine.executor.model_config.architecture == model.config.architectures[0]
+        diff = max_logprob_diff(llm, refs)
+        print(f"{kind} gguf ({quant}) max |d logprob| {diff:.2e}")
+        assert diff < TOL
+
+
+def test_dummy_weights_for_every_architecture(tmp_path):
+    from ferry.model.arch import ARCHITECTURES
+    from tests.arch_models import hf_config
+
+    for kind in KINDS:
+        cfg = hf_config(kind).to_dict()
+        d = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        llm = LLM(model=str(d), load_format="dummy", num_kv_blocks=32)
+        assert llm.engine.executor.model_config.architecture in ARCHITECTURES
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_an_unknown_architecture_is_named_with_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"FalconForCausalLM.*ferry runs LlamaForCausalLM, .*Qwen3ForCausalLM"):
+        LLM(model=str(tmp_path), load_format="dummy")
