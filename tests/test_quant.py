@@ -8,13 +8,16 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import KERNEL_TYPES, QuantWeight, cat_rows, dequantize, load_gguf_weights, quant_linear, repack
+from ferry.model.quant import QUANT_TYPES, QuantWeight, cat_rows, check_kernel_types, dequantize, load_gguf_weights, \
+    quant_linear, repack
 
-# GGUF's own (weights, bytes) per block, float16 scales first: what a .gguf file holds.
-GGUF_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
-# Shapes (N, K) per type: K a multiple of the type's block.
-SHAPES = {t: [(1, 32), (5, 96), (37, 576), (258, 1536)] for t in ("Q4_0", "Q4_1", "Q8_0")}
-SHAPES["Q4_K"] = [(1, 256), (37, 512), (258, 1536)]
+# Where each type's float16 scales sit in its block (ggml's block layouts): random bytes elsewhere
+# are valid quants and sub-scales, random bytes here could be NaN.
+F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4), "Q8_0": (0, 2), "Q2_K": (80, 84),
+              "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2),
+              "IQ4_XS": (0, 2)}
+# Shapes (N, K) per type: K whole blocks, N not a multiple of the kernels' register blocks.
+SHAPES = {t: [(1, 32), (5, 96), (37, 576)] if q.block == 32 else [(1, 256), (37, 768)] for t, q in QUANT_TYPES.items()}
 CASES = [(t, n, k) for t in sorted(SHAPES) for n, k in SHAPES[t]]
 
 
@@ -27,10 +30,10 @@ def kernels():
 def random_gguf_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     """n rows of k weights as a GGUF file stores them: random quants, float16 scales of either sign."""
     rng = np.random.default_rng(seed)
-    weights, nbytes = GGUF_BLOCK[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    scales = 4 if qtype in ("Q4_1", "Q4_K") else 2  # d (and m, or dmin)
-    blocks[..., :scales] = rng.normal(0, 0.02, size=(n, k // weights, scales // 2)).astype(np.float16).view(np.uint8)
+    t = QUANT_TYPES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // t.block, t.nbytes), dtype=np.uint8)
+    a, b = F16_FIELDS[qtype]
+    blocks[..., a:b] = rng.normal(0, 0.02, size=(n, k // t.block, (b - a) // 2)).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -40,27 +43,39 @@ def gguf_type(qtype: str):
     return GGMLQuantizationType[qtype]
 
 
-@pytest.mark.parametrize("qtype,n,k", CASES + [("Q4_1", 131, 64), ("Q8_0", 300, 1536)])
-def test_repacked_weights_dequantize_as_gguf_does(qtype, n, k):
+def test_the_type_table_is_gguf_s_and_the_kernels_own(monkeypatch):
+    from gguf import GGML_QUANT_SIZES
+
+    for name, t in QUANT_TYPES.items():
+        assert (t.kernel_id, (t.block, t.nbytes)) == (gguf_type(name).value, GGML_QUANT_SIZES[gguf_type(name)])
+    check_kernel_types(load_kernels())
+    monkeypatch.setitem(QUANT_TYPES, "Q6_K", QUANT_TYPES["Q6_K"].__class__("Q6_K", 14, 256, 208))
+    with pytest.raises(RuntimeError, match="quant_types.h"):
+        check_kernel_types(load_kernels())
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES + [("Q4_1", 131, 64), ("Q6_K", 70, 1536)])
+def test_weights_dequantize_as_gguf_does(qtype, n, k):
     raw = random_gguf_rows(qtype, n, k, seed=n + k)
     w = repack(raw, qtype, (n, k))
-    expected = gguf_dequantize(raw, gguf_type(qtype)).reshape(n, k)
-    assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert w.nbytes == raw.nbytes  # the file's blocks, as they are
+    expected = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, gguf_type(qtype)).reshape(n, k)))
+    assert torch.equal(dequantize(w), expected)
     rows = torch.tensor([n - 1, 0, n // 2])
-    assert torch.equal(dequantize(w, rows), torch.from_numpy(np.ascontiguousarray(expected))[rows])
+    assert torch.equal(dequantize(w, rows), expected[rows])
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 31, 32, 33, 100])
 @pytest.mark.parametrize("qtype,n,k", CASES)
 def test_products_equal_dequantize_then_matmul(qtype, m, n, k):
-    """Every path (fused for few rows, buffered, dequantize-then-BLAS), ragged M and N (not
-    multiples of the register blocks) and K of 1 to 48 blocks."""
+    """Both paths (the kernel for few rows, dequantize-then-BLAS), ragged M and N (not multiples
+    of the register blocks) and K of 1 to 18 blocks."""
     w = repack(random_gguf_rows(qtype, n, k, seed=m * n + k), qtype, (n, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = quant_linear(x, w)
     assert y.shape == (m, n) and y.is_contiguous()
     ref = x @ dequantize(w).t()
-    # Sums of up to 1536 terms in another order: float32 rounding relative to the outputs' size.
+    # Sums of up to 768 terms in another order: float32 rounding relative to the outputs' size.
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -73,6 +88,43 @@ def test_fused_rows_stack_like_their_parts():
     assert torch.equal(dequantize(both), torch.cat([dequantize(a), dequantize(b)]))
     mixed = cat_rows([a, c])  # different types: float32
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([dequantize(a), dequantize(c)]))
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(len(tensors))
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    for name, (raw, qtype) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=gguf_type(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_file_with_every_type_loads_quantized(tmp_path):
+    """The gguf library quantizes what it can (Q4_0 ... Q8_0); valid random blocks for the rest."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i, name in enumerate(QUANT_TYPES):
+        k = 512
+        try:
+            raw = quantize(rng.normal(0, 0.02, size=(6, k)).astype(np.float32), gguf_type(name))
+        except NotImplementedError:
+            raw = random_gguf_rows(name, 6, k, seed=i)
+        tensors[f"blk.{i}.ffn_down.weight"] = (raw, name)
+    write_gguf(tmp_path / "every.gguf", tensors)
+    weights = load_gguf_weights(tmp_path / "every.gguf")
+    for i, (name, (raw, qtype)) in enumerate(tensors.items()):
+        w = weights[f"model.layers.{i}.mlp.down_proj.weight"]
+        assert isinstance(w, QuantWeight) and w.qtype == qtype and w.shape == (6, 512) and w.nbytes == raw.nbytes
+        expected = gguf_dequantize(raw, gguf_type(qtype)).reshape(6, 512)
+        assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected))), qtype
 
 
 def test_embedded_model_stays_quantized_and_equals_its_float_conversion(embedded_dir):
@@ -94,23 +146,11 @@ def test_embedded_model_stays_quantized_and_equals_its_float_conversion(embedded
     assert resident < 150e6, resident
 
 
-def test_a_type_the_kernel_lacks_is_refused_by_name(tmp_path):
-    from gguf import GGUFWriter
-
-    path = tmp_path / "k-quant.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    # One Q6_K super-block row (256 weights, 210 bytes): a type ferry cannot keep quantized.
-    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((1, 210), dtype=np.uint8),
-                      raw_dtype=gguf_type("Q6_K"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has GGUF type Q6_K.*--quantization none"):
-        load_gguf_weights(path)
+def test_a_type_the_kernels_lack_is_refused_by_name(tmp_path):
+    # One TQ2_0 block row (256 weights, 66 bytes): a type ferry cannot keep quantized.
+    write_gguf(tmp_path / "tq.gguf", {"blk.0.ffn_down.weight": (np.zeros((1, 66), dtype=np.uint8), "TQ2_0")})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has GGUF type TQ2_0.*--quantization none"):
+        load_gguf_weights(tmp_path / "tq.gguf")
 
 
 def test_quantized_and_float_engines_agree(llm, parity_prompts):
@@ -137,22 +177,13 @@ def test_quantization_gguf_needs_a_gguf_file(embedded_dir):
         LLM(model=str(embedded_dir), quantization="gguf")
 
 
-def test_a_q4_k_file_loads_quantized(tmp_path):
-    """K-quant super-blocks become the kernel's Q4_1 blocks, read from a real GGUF file."""
-    from gguf import GGUFWriter
-
-    raw = random_gguf_rows("Q4_K", 8, 512, seed=7)
-    path = tmp_path / "q4k.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf_type("Q4_K"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    w = load_gguf_weights(path)["model.layers.0.mlp.down_proj.weight"]
-    assert isinstance(w, QuantWeight) and w.shape == (8, 512) and w.kernel_type == KERNEL_TYPES["Q4_1"][0]
-    expected = gguf_dequantize(raw, gguf_type("Q4_K")).reshape(8, 512)
+def test_every_float16_scale_converts_exactly():
+    """Q8_0 blocks whose scale walks all finite float16 values (subnormals, zeros, infinities)."""
+    h = np.arange(65536, dtype=np.uint16)
+    h = h[~np.isnan(h.view(np.float16))]
+    raw = np.zeros((h.size, 34), dtype=np.uint8)
+    raw[:, 0:2] = h.view(np.uint8).reshape(-1, 2)
+    raw[:, 2:] = np.r_[-16:0, 1:17].astype(np.int8).view(np.uint8)  # no 0: inf * 0 is NaN
+    w = repack(raw.reshape(1, -1), "Q8_0", (1, 32 * h.size))
+    expected = gguf_dequantize(raw, gguf_type("Q8_0")).reshape(1, -1)
     assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected)))
