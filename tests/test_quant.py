@@ -187,3 +187,116 @@ def test_every_float16_scale_converts_exactly():
     w = repack(raw.reshape(1, -1), "Q8_0", (1, 32 * h.size))
     expected = gguf_dequantize(raw, gguf_type("Q8_0")).reshape(1, -1)
     assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """A plain Q6_K quantizer for tests (the gguf library has none): rows of [n, k] -> blocks."""
+    x = w.reshape(-1, 16, 16).astype(np.float32)  # super-blocks x 16 sub-blocks of 16
+    s = np.abs(x).max(-1) / 31
+    d = (s.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = np.clip(np.round(s / np.maximum(d.astype(np.float32), 1e-30)), 1, 127).astype(np.int8)
+    step = d.astype(np.float32)[..., None] * sc[..., None]
+    q = (np.clip(np.round(x / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    halves = q.reshape(-1, 2, 2, 64)  # [half of 128, low or high nibble, 64]
+    ql = (halves[:, :, 0] & 15) | ((halves[:, :, 1] & 15) << 4)
+    quarters = q.reshape(-1, 2, 4, 32) >> 4  # [half, which 2-bit field, 32]
+    qh = sum(quarters[:, :, i] << (2 * i) for i in range(4)).astype(np.uint8)
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return out.reshape(w.shape[0], -1)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """A plain IQ4_NL quantizer for tests: each block's largest weight maps to -127."""
+    from gguf.quants import IQ4_NL
+
+    x = w.reshape(-1, 32).astype(np.float32)
+    d = (np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1) / -127).astype(np.float16)
+    kv = np.array(IQ4_NL.kvalues, dtype=np.float32)
+    q = np.abs(x[..., None] - d.astype(np.float32)[..., None] * kv).argmin(-1).astype(np.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], axis=1).reshape(w.shape[0], -1)
+
+
+# Per layer of a two-layer cut of the embedded model, the types of its tensors (one type for q,
+# k and v, and for gate and up, so the fused products stay quantized), like a Q4_K_M mix.
+MIXED = [{"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q8_0",
+          "ffn_up": "Q8_0", "ffn_down": "Q6_K"},
+         {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "IQ4_NL", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+          "ffn_up": "Q4_1", "ffn_down": "Q4_K"}]
+
+
+def write_mixed_gguf(path) -> None:
+    """The embedded GGUF's first two layers, requantized per MIXED (Q4_K: valid random blocks)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    from ferry.model.gguf_convert import embedded_gguf_path
+
+    reader = GGUFReader(str(embedded_gguf_path()))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    writer = GGUFWriter(str(path), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = 2 if name == f"{arch}.block_count" else field.contents()
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= 2:
+            continue
+        qtype = MIXED[int(parts[1])].get(parts[2]) if parts[0] == "blk" else None
+        if qtype is None:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            continue
+        w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if qtype == "Q6_K":
+            raw = quantize_q6_k(w)
+        elif qtype == "IQ4_NL":
+            raw = quantize_iq4_nl(w)
+        elif qtype == "Q4_K":
+            raw = random_gguf_rows("Q4_K", w.shape[0], w.shape[1], seed=1)
+            raw.reshape(w.shape[0], -1, 144)[..., 0:4] = np.full(2, 2e-5, np.float16).view(np.uint8)
+        else:
+            raw = quantize(w, gguf_type(qtype))
+        writer.add_tensor(t.name, raw, raw_dtype=gguf_type(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_mixed_file_generates_as_its_dequantized_copy(tmp_path, monkeypatch, parity_prompts):
+    """Seven types in one model, kept quantized: the same greedy tokens as the float32 model the
+    gguf library dequantizes from the same file (quantization none)."""
+    from ferry import LLM, SamplingParams
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mixed-q4km.gguf"
+    write_mixed_gguf(path)
+    quant = LLM(model=str(path))
+    layers = quant.engine.executor.model.layers
+    kinds = [(l.qkv.qtype, l.o_proj.qtype, l.gate_up.qtype, l.down.qtype) for l in layers]
+    assert kinds == [(m["attn_q"], m["attn_output"], m["ffn_gate"], m["ffn_down"]) for m in MIXED]
+    floats = LLM(model=str(path), quantization="none")
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = parity_prompts[:4]
+    a = [o.outputs[0].token_ids for o in quant.generate(prompts, sp, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in floats.generate(prompts, sp, use_tqdm=False)]
+    assert a == b and len({tuple(t) for t in a}) > 1
+
+
+def test_k_quant_shards_cut_on_super_blocks():
+    """Tensor-parallel MLP cuts fall on 256-weight edges where the size allows, so a K-quant
+    down projection's column shards stay quantized and equal the float columns."""
+    from ferry.model.shard_plan import split
+    from ferry.model.tensor_parallel import shard_cols
+
+    w = repack(random_gguf_rows("Q6_K", 8, 1536, seed=3), "Q6_K", (8, 1536))
+    full = dequantize(w)
+    for rank in range(4):
+        start, end = split(1536, 4, rank, 256)
+        part = shard_cols(w, start, end)
+        assert isinstance(part, QuantWeight) and torch.equal(dequantize(part), full[:, start:end])
+    off = shard_cols(w, 32, 320)  # not on a super-block: that shard is dequantized
+    assert isinstance(off, torch.Tensor) and torch.equal(off, full[:, 32:320])
