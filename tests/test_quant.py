@@ -300,3 +300,72 @@ def test_k_quant_shards_cut_on_super_blocks():
         assert isinstance(part, QuantWeight) and torch.equal(dequantize(part), full[:, start:end])
     off = shard_cols(w, 32, 320)  # not on a super-block: that shard is dequantized
     assert isinstance(off, torch.Tensor) and torch.equal(off, full[:, 32:320])
+
+
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the q8 mode sees it (per 32: scale amax / 127, levels rounded half away from zero),
+    and each element's scale."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0)
+    q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+    return (q * d).reshape(x.shape), d.expand_as(blocks).reshape(x.shape)
+
+
+@pytest.mark.parametrize("m", [1, 3, 7, 33, 100])
+@pytest.mark.parametrize("qtype,n,k", [c for c in CASES if c[1] > 1])
+def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n, k):
+    """q8: the product of the int8-rounded activations with the dequantized weight (up to the order
+    of sums), so within |w| @ (scale / 2) of exact: each activation moves by at most half its step."""
+    w = repack(random_gguf_rows(qtype, n, k, seed=m * n + k), qtype, (n, k), )
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    wf = dequantize(w)
+    exact = x @ wf.t()
+    w.activations = "q8"
+    y = quant_linear(x, w)
+    xq, step = q8_activations(x)
+    scale = float((xq.abs() @ wf.abs().t()).max())
+    torch.testing.assert_close(y, xq @ wf.t(), rtol=1e-4, atol=2e-5 * scale)
+    bound = 0.5 * step @ wf.abs().t() + 2e-5 * scale
+    assert bool(((y - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
+    from ferry.model.quant import Q8_ISAS, q8_isa
+
+    n, k = SHAPES[qtype][-1]
+    w = repack(random_gguf_rows(qtype, n, k, seed=5), qtype, (n, k))
+    w.activations = "q8"
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    best = q8_isa()
+    ran = []
+    try:
+        q8_isa("portable")
+        ref = quant_linear(x, w)
+        for isa in Q8_ISAS[1:]:
+            try:
+                q8_isa(isa)
+            except ValueError:
+                continue  # this CPU lacks it
+            ran.append(isa)
+            assert torch.equal(quant_linear(x, w), ref), isa
+    finally:
+        q8_isa(best)
+    assert "avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX")
+
+
+def test_a_q8_engine_stays_close_to_the_exact_one(llm, parity_prompts):
+    """quant_activations='q8' reaches every quantized product (the fused decode too): the model's
+    next-token choices mostly agree with exact mode's, and its logprobs move little but do move."""
+    from ferry import LLM, SamplingParams
+    from ferry.bench.accuracy import compare
+
+    q8 = LLM(quant_activations="q8")
+    assert q8.engine.executor.model.layers[0].qkv.activations == "q8"
+    stats = compare(llm, q8, parity_prompts[:4])
+    assert stats["top1_agreement"] > 0.9 and 0 < stats["mean_abs_logprob_diff"] < 0.2, stats
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in q8.generate(parity_prompts[:2], sp, use_tqdm=False))
+    with pytest.raises(ValueError, match="quant_activations must be 'exact' or 'q8'"):
+        LLM(quant_activations="int4")

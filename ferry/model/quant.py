@@ -41,6 +41,10 @@ QUANT_TYPES = {t.name: t for t in (
     QuantType("Q6_K", 14, 256, 210), QuantType("IQ4_NL", 20, 32, 18), QuantType("IQ4_XS", 23, 256, 136),
 )}
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ACTIVATION_MODES = ("exact", "q8")
+Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
+# quant_q8_isa's variant ids (kernels/quant_q8.c).
+Q8_ISAS = ("portable", "avx2", "avx512bw", "avxvnni", "avx512vnni")
 
 # Up to this many rows the kernel's product wins; above it, dequantize-then-BLAS (measured with
 # `ferry bench kernels`: BLAS's packing pays off once the weight is reused by many rows).
@@ -78,6 +82,9 @@ class QuantWeight:
     data: torch.Tensor
     qtype: str
     shape: tuple[int, int]
+    # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
+    # per block of 32 to int8 and integer dot products (quant_q8.c), at every number of rows.
+    activations: str = "exact"
 
     @property
     def kind(self) -> QuantType:
@@ -85,7 +92,8 @@ class QuantWeight:
 
     @property
     def kernel_type(self) -> int:
-        return self.kind.kernel_id
+        """The product kernel's type id (the fused decode passes it on): the type, plus the q8 flag."""
+        return self.kind.kernel_id | (Q8_FLAG if self.activations == "q8" else 0)
 
     @property
     def nbytes(self) -> int:
@@ -108,7 +116,7 @@ def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor
     out = torch.empty(n, w.shape[1], dtype=torch.float32)
     ids = None if rows is None else rows.to(torch.int64).contiguous()
     _kernels().quant_dequant(w.data.data_ptr(), None if ids is None else ids.data_ptr(),
-                                 out.data_ptr(), n, w.shape[1], w.kernel_type)
+                                 out.data_ptr(), n, w.shape[1], w.kind.kernel_id)
     return out
 
 
@@ -117,14 +125,14 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     x = x.contiguous()
     m, (n, k) = x.shape[0], w.shape
     lib = _kernels()
-    if m <= KERNEL_ROWS:
+    if m <= KERNEL_ROWS or w.activations == "q8":
         y = torch.empty(m, n, dtype=torch.float32)
         lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
         return y
     step = max(1, SLICE_FLOATS // k)
     buf = torch.empty(min(n, step), k, dtype=torch.float32)
     if n <= step:
-        lib.quant_dequant(w.data.data_ptr(), None, buf.data_ptr(), n, k, w.kernel_type)
+        lib.quant_dequant(w.data.data_ptr(), None, buf.data_ptr(), n, k, w.kind.kernel_id)
         return torch.mm(x, buf.t())
     # A large matrix (an LM head) in row slices of y.T: each slice of the weight is dequantized
     # and used at once, while in cache.
@@ -132,16 +140,35 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     row_bytes = w.data.shape[1]
     for n0 in range(0, n, step):
         rows = min(step, n - n0)
-        lib.quant_dequant(w.data.data_ptr() + n0 * row_bytes, None, buf.data_ptr(), rows, k, w.kernel_type)
+        lib.quant_dequant(w.data.data_ptr() + n0 * row_bytes, None, buf.data_ptr(), rows, k, w.kind.kernel_id)
         torch.mm(buf[:rows], x.t(), out=yt[n0:n0 + rows])
     return yt.t().contiguous()
+
+
+def set_activations(weights: dict, mode: str) -> None:
+    """Run every quantized weight of ``weights`` in activation mode ``mode`` (ACTIVATION_MODES)."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"quant_activations must be one of {ACTIVATION_MODES}, got {mode!r}")
+    for w in weights.values():
+        if isinstance(w, QuantWeight):
+            w.activations = mode
+
+
+def q8_isa(name: str | None = None) -> str:
+    """The q8 kernels' instruction-set variant in use; ``name`` (one of Q8_ISAS) switches to it,
+    a ValueError when this CPU lacks it."""
+    lib = _kernels()
+    got = lib.quant_q8_isa(-2 if name is None else Q8_ISAS.index(name))
+    if got < 0:
+        raise ValueError(f"this CPU cannot run the {name} q8 kernels")
+    return Q8_ISAS[got]
 
 
 def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
     """Stack weights along the output dimension (fused qkv, gate+up); float32 if the types differ."""
     if all(isinstance(w, QuantWeight) for w in ws) and len({w.kernel_type for w in ws}) == 1:
         return QuantWeight(torch.cat([w.data for w in ws]).contiguous(), ws[0].qtype,
-                           (sum(w.shape[0] for w in ws), ws[0].shape[1]))
+                           (sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].activations)
     return torch.cat([dequantize(w) if isinstance(w, QuantWeight) else w for w in ws]).contiguous()
 
 

@@ -28,7 +28,7 @@ Weight = torch.Tensor | QuantWeight
 def shard_rows(w: Weight, start: int, end: int) -> Weight:
     """Output rows [start, end) of a [N, K] weight (or a bias)."""
     if isinstance(w, QuantWeight):
-        return QuantWeight(w.data[start:end].contiguous(), w.qtype, (end - start, w.shape[1]))
+        return QuantWeight(w.data[start:end].contiguous(), w.qtype, (end - start, w.shape[1]), w.activations)
     return w[start:end].contiguous()
 
 
@@ -39,7 +39,7 @@ def shard_cols(w: Weight, start: int, end: int) -> Weight:
         qk, per_block = w.kind.block, w.kind.nbytes
         if start % qk == 0 and end % qk == 0:
             data = w.data[:, start // qk * per_block:end // qk * per_block].contiguous()
-            return QuantWeight(data, w.qtype, (w.shape[0], end - start))
+            return QuantWeight(data, w.qtype, (w.shape[0], end - start), w.activations)
         w = dequantize(w)
     return w[:, start:end].contiguous()
 

@@ -23,12 +23,16 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
-                                                 "quant_dequant.c")]
+                                                 "quant_dequant.c", "quant_q8.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "f32_rows.h", "quant_types.h")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
 # Dequantization must be the gguf library's float32 arithmetic bit for bit: no fast math, no fused
 # multiply-adds.
-EXACT_FLAGS = {"quant_dequant.c": ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fPIC"]}
+# The q8 kernels: a baseline x86-64 build whose variants each enable their own instructions
+# (target attributes), so the AVX2 one runs on AVX2-only CPUs; one float order for all variants.
+EXACT_FLAGS = {"quant_dequant.c": ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fPIC"],
+               "quant_q8.c": ["-O3", "-march=x86-64-v2", "-mtune=native", "-fno-fast-math", "-ffp-contract=off",
+                              "-fPIC", "-fopenmp"]}
 
 
 def _torch_libgomp() -> Path | None:
@@ -92,6 +96,8 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_gemm.restype = None
     so.quant_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.quant_dequant.restype = None
+    so.quant_q8_isa.argtypes = [i64]
+    so.quant_q8_isa.restype = i64
     so.quant_type_row.argtypes = [i64, ctypes.c_char_p, ptr]
     so.quant_type_row.restype = i64
     so.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64] + [ptr] * 4 + [i64] + [ptr] * 3

@@ -7,60 +7,42 @@
 
 #include "quant_types.h"
 
-static const int8_t KVALUES_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-/* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
-static inline float f16(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff, bits;
-    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (man) {
-        uint32_t e = 113;  /* normalise: value = man * 2^-24 */
-        while (!(man & 0x400)) { man <<= 1; e--; }
-        bits = sign | (e << 23) | ((man & 0x3ff) << 13);
-    } else bits = sign;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Element i < 16 of a 32-block is the low nibble of qs[i], element 16 + i its high nibble. */
 static inline int nib32(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4; }
 
 static void q4_0(const uint8_t *b, float *y) {
-    const float d = f16(b);
+    const float d = qt_f16(b);
     for (int i = 0; i < 32; i++) y[i] = d * (float)(nib32(b + 2, i) - 8);
 }
 static void q4_1(const uint8_t *b, float *y) {
-    const float d = f16(b), m = f16(b + 2);
+    const float d = qt_f16(b), m = qt_f16(b + 2);
     for (int i = 0; i < 32; i++) y[i] = d * (float)nib32(b + 4, i) + m;
 }
 static void q5_0(const uint8_t *b, float *y) {
-    const float d = f16(b);
+    const float d = qt_f16(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     for (int i = 0; i < 32; i++) y[i] = d * (float)((nib32(b + 6, i) | (int)(((qh >> i) & 1) << 4)) - 16);
 }
 static void q5_1(const uint8_t *b, float *y) {
-    const float d = f16(b), m = f16(b + 2);
+    const float d = qt_f16(b), m = qt_f16(b + 2);
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     for (int i = 0; i < 32; i++) y[i] = d * (float)(nib32(b + 8, i) | (((qh >> i) & 1) << 4)) + m;
 }
 static void q8_0(const uint8_t *b, float *y) {
-    const float d = f16(b);
+    const float d = qt_f16(b);
     for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
 }
 static void iq4_nl(const uint8_t *b, float *y) {
-    const float d = f16(b);
+    const float d = qt_f16(b);
     for (int i = 0; i < 32; i++) y[i] = d * (float)KVALUES_IQ4[nib32(b + 2, i)];
 }
 
 /* Super-blocks of 256. Element e: 2-bit fields walk 32 bytes 4 times (shift 0, 2, 4, 6) per 128. */
 static void q2_k(const uint8_t *b, float *y) {
     const uint8_t *sc = b, *qs = b + 16;
-    const float d = f16(b + 80), dmin = f16(b + 82);
+    const float d = qt_f16(b + 80), dmin = qt_f16(b + 82);
     for (int e = 0; e < 256; e++) {
         const float dl = d * (float)(sc[e / 16] & 15), ml = dmin * (float)(sc[e / 16] >> 4);
         const int q = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
@@ -69,7 +51,7 @@ static void q2_k(const uint8_t *b, float *y) {
 }
 static void q3_k(const uint8_t *b, float *y) {
     const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
-    const float d = f16(b + 108);
+    const float d = qt_f16(b + 108);
     float dl[16];
     for (int i = 0; i < 16; i++) {
         const int lo = (s[i % 8] >> (4 * (i / 8))) & 15, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
@@ -90,7 +72,7 @@ static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 static void q4_k(const uint8_t *b, float *y) {
-    const float d = f16(b), dmin = f16(b + 2);
+    const float d = qt_f16(b), dmin = qt_f16(b + 2);
     const uint8_t *qs = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, m;
@@ -100,7 +82,7 @@ static void q4_k(const uint8_t *b, float *y) {
     }
 }
 static void q5_k(const uint8_t *b, float *y) {
-    const float d = f16(b), dmin = f16(b + 2);
+    const float d = qt_f16(b), dmin = qt_f16(b + 2);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int j = 0; j < 8; j++) {
         int sc, m;
@@ -115,7 +97,7 @@ static void q5_k(const uint8_t *b, float *y) {
 static void q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = f16(b + 208);
+    const float d = qt_f16(b + 208);
     for (int e = 0; e < 256; e++) {
         const int half = e / 128, r = e % 128;
         const int lo = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 15;
@@ -124,7 +106,7 @@ static void q6_k(const uint8_t *b, float *y) {
     }
 }
 static void iq4_xs(const uint8_t *b, float *y) {
-    const float d = f16(b);
+    const float d = qt_f16(b);
     const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
     const uint8_t *sl = b + 4, *qs = b + 8;
     for (int j = 0; j < 8; j++) {

@@ -15,8 +15,15 @@
 #include "quant_types.h"
 #include "vec.h"
 
-/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; K a multiple of the type's block (the caller checks). */
+void quant_gemm_q8(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
+
+/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; K a multiple of the type's block (the caller checks).
+ * type | FERRY_QT_Q8: activations quantized to int8 (quant_q8.c). */
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
+    if (type & FERRY_QT_Q8) {
+        quant_gemm_q8(x, w, y, M, N, K, type & ~(int64_t)FERRY_QT_Q8);
+        return;
+    }
     const int64_t row_bytes = K / qt_block(type) * qt_bytes(type);
     #pragma omp parallel
     {

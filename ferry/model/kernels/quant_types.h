@@ -5,6 +5,7 @@
 #ifndef FERRY_QUANT_TYPES_H
 #define FERRY_QUANT_TYPES_H
 #include <stdint.h>
+#include <string.h>
 
 #define FERRY_QUANT_TYPES(X) \
     X(Q4_0, 2, 32, 18)       \
@@ -34,6 +35,27 @@ static inline int64_t qt_bytes(int64_t type) {
 #define FERRY_QT_CASE(name, id, block, bytes) case id: return bytes;
     switch (type) { FERRY_QUANT_TYPES(FERRY_QT_CASE) default: return 0; }
 #undef FERRY_QT_CASE
+}
+
+#define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8.c) */
+
+/* IQ4_NL / IQ4_XS's non-linear levels. */
+static const int8_t KVALUES_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
+static inline float qt_f16(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff, bits;
+    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man) {
+        uint32_t e = 113;  /* normalise: value = man * 2^-24 */
+        while (!(man & 0x400)) { man <<= 1; e--; }
+        bits = sign | (e << 23) | ((man & 0x3ff) << 13);
+    } else bits = sign;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* Dequantize one row of K weights (K a multiple of the type's block), as gguf.quants does. */
