@@ -7,61 +7,87 @@
 
 #include "quant_types.h"
 
-/* Element i < 16 of a 32-block is the low nibble of qs[i], element 16 + i its high nibble. */
-static inline int nib32(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4; }
-
-static void q4_0(const uint8_t *b, float *y) {
+/* Loops are written so the compiler vectorizes them: element i < 16 of a 32-block is the low
+ * nibble of qs[i], element 16 + i its high nibble. */
+static void q4_0(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b);
-    for (int i = 0; i < 32; i++) y[i] = d * (float)(nib32(b + 2, i) - 8);
+    const uint8_t *qs = b + 2;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((qs[i] & 15) - 8);
+        y[i + 16] = d * (float)((qs[i] >> 4) - 8);
+    }
 }
-static void q4_1(const uint8_t *b, float *y) {
+static void q4_1(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b), m = qt_f16(b + 2);
-    for (int i = 0; i < 32; i++) y[i] = d * (float)nib32(b + 4, i) + m;
+    const uint8_t *qs = b + 4;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(qs[i] & 15) + m;
+        y[i + 16] = d * (float)(qs[i] >> 4) + m;
+    }
 }
-static void q5_0(const uint8_t *b, float *y) {
+static void q5_0(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    for (int i = 0; i < 32; i++) y[i] = d * (float)((nib32(b + 6, i) | (int)(((qh >> i) & 1) << 4)) - 16);
+    const uint8_t *qs = b + 6;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(((qs[i] & 15) | (int)(((qh >> i) & 1) << 4)) - 16);
+        y[i + 16] = d * (float)(((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) - 16);
+    }
 }
-static void q5_1(const uint8_t *b, float *y) {
+static void q5_1(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b), m = qt_f16(b + 2);
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
-    for (int i = 0; i < 32; i++) y[i] = d * (float)(nib32(b + 8, i) | (((qh >> i) & 1) << 4)) + m;
+    const uint8_t *qs = b + 8;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((qs[i] & 15) | (int)(((qh >> i) & 1) << 4)) + m;
+        y[i + 16] = d * (float)((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) + m;
+    }
 }
-static void q8_0(const uint8_t *b, float *y) {
+static void q8_0(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b);
     for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
 }
-static void iq4_nl(const uint8_t *b, float *y) {
+static void iq4_nl(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b);
-    for (int i = 0; i < 32; i++) y[i] = d * (float)KVALUES_IQ4[nib32(b + 2, i)];
+    const uint8_t *qs = b + 2;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)KVALUES_IQ4[qs[i] & 15];
+        y[i + 16] = d * (float)KVALUES_IQ4[qs[i] >> 4];
+    }
 }
 
-/* Super-blocks of 256. Element e: 2-bit fields walk 32 bytes 4 times (shift 0, 2, 4, 6) per 128. */
-static void q2_k(const uint8_t *b, float *y) {
+/* Super-blocks of 256: element half * 128 + s * 32 + l takes bits 2s of byte half * 32 + l (2-bit
+ * fields), in sub-block (of 16) half * 8 + 2s + l / 16. */
+static void q2_k(const uint8_t *restrict b, float *restrict y) {
     const uint8_t *sc = b, *qs = b + 16;
     const float d = qt_f16(b + 80), dmin = qt_f16(b + 82);
-    for (int e = 0; e < 256; e++) {
-        const float dl = d * (float)(sc[e / 16] & 15), ml = dmin * (float)(sc[e / 16] >> 4);
-        const int q = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
-        y[e] = dl * (float)q - ml;
-    }
+    for (int half = 0; half < 2; half++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const int g = half * 8 + 2 * s + h;
+                const float dl = d * (float)(sc[g] & 15), ml = dmin * (float)(sc[g] >> 4);
+                const uint8_t *q = qs + half * 32 + 16 * h;
+                float *out = y + half * 128 + s * 32 + 16 * h;
+                for (int l = 0; l < 16; l++) out[l] = dl * (float)((q[l] >> (2 * s)) & 3) - ml;
+            }
 }
-static void q3_k(const uint8_t *b, float *y) {
-    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+static void q3_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
     const float d = qt_f16(b + 108);
-    float dl[16];
-    for (int i = 0; i < 16; i++) {
-        const int lo = (s[i % 8] >> (4 * (i / 8))) & 15, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
-        dl[i] = d * (float)((lo | (hi << 4)) - 32);
-    }
-    for (int e = 0; e < 256; e++) {
-        const int ql = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
-        const int h = (hm[e % 32] >> (e / 32)) & 1;
-        y[e] = dl[e / 16] * (float)(ql - ((h ^ 1) << 2));
-    }
+    for (int half = 0; half < 2; half++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const int g = half * 8 + 2 * s + h;
+                const int lo = (sc[g % 8] >> (4 * (g / 8))) & 15, hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                const float dl = d * (float)((lo | (hi << 4)) - 32);
+                const uint8_t *q = qs + half * 32 + 16 * h, *m = hm + 16 * h;
+                const int bit = half * 4 + s;
+                float *out = y + half * 128 + s * 32 + 16 * h;
+                for (int l = 0; l < 16; l++)
+                    out[l] = dl * (float)(((q[l] >> (2 * s)) & 3) - ((((m[l] >> bit) & 1) ^ 1) << 2));
+            }
 }
 /* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes. */
 static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
@@ -71,48 +97,57 @@ static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
         *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
     }
 }
-static void q4_k(const uint8_t *b, float *y) {
+static void q4_k(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b), dmin = qt_f16(b + 2);
-    const uint8_t *qs = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, m;
         scale_min_k4(b + 4, j, &sc, &m);
         const float ds = d * (float)sc, dm = dmin * (float)m;
-        for (int l = 0; l < 32; l++) y[j * 32 + l] = ds * (float)((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) - dm;
+        const uint8_t *qs = b + 16 + (j / 2) * 32;
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; l++) y[j * 32 + l] = ds * (float)((qs[l] >> shift) & 15) - dm;
     }
 }
-static void q5_k(const uint8_t *b, float *y) {
+static void q5_k(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b), dmin = qt_f16(b + 2);
-    const uint8_t *qh = b + 16, *qs = b + 48;
+    const uint8_t *qh = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, m;
         scale_min_k4(b + 4, j, &sc, &m);
         const float ds = d * (float)sc, dm = dmin * (float)m;
-        for (int l = 0; l < 32; l++) {
-            const int q = ((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4);
-            y[j * 32 + l] = ds * (float)q - dm;
-        }
+        const uint8_t *qs = b + 48 + (j / 2) * 32;
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; l++)
+            y[j * 32 + l] = ds * (float)(((qs[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - dm;
     }
 }
-static void q6_k(const uint8_t *b, float *y) {
-    const uint8_t *ql = b, *qh = b + 128;
+/* Q6_K: element half * 128 + s * 32 + l: low 4 bits from ql[half * 64 + (s % 2) * 32 + l] (nibble
+ * s / 2), high 2 bits from qh[half * 32 + l] (bits 2s). */
+static void q6_k(const uint8_t *restrict b, float *restrict y) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = qt_f16(b + 208);
-    for (int e = 0; e < 256; e++) {
-        const int half = e / 128, r = e % 128;
-        const int lo = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 15;
-        const int hi = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 3;
-        y[e] = d * (float)sc[e / 16] * (float)((lo | (hi << 4)) - 32);
-    }
+    for (int half = 0; half < 2; half++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const float dl = d * (float)sc[half * 8 + 2 * s + h];
+                const uint8_t *ql = b + half * 64 + (s % 2) * 32 + 16 * h, *qh = b + 128 + half * 32 + 16 * h;
+                float *out = y + half * 128 + s * 32 + 16 * h;
+                for (int l = 0; l < 16; l++)
+                    out[l] = dl * (float)((((ql[l] >> (4 * (s / 2))) & 15) | (((qh[l] >> (2 * s)) & 3) << 4)) - 32);
+            }
 }
-static void iq4_xs(const uint8_t *b, float *y) {
+static void iq4_xs(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b);
     const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
-    const uint8_t *sl = b + 4, *qs = b + 8;
+    const uint8_t *sl = b + 4;
     for (int j = 0; j < 8; j++) {
         const int ls = (((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
         const float dl = d * (float)ls;
-        for (int i = 0; i < 32; i++) y[j * 32 + i] = dl * (float)KVALUES_IQ4[nib32(qs + j * 16, i)];
+        const uint8_t *qs = b + 8 + j * 16;
+        for (int i = 0; i < 16; i++) {
+            y[j * 32 + i] = dl * (float)KVALUES_IQ4[qs[i] & 15];
+            y[j * 32 + 16 + i] = dl * (float)KVALUES_IQ4[qs[i] >> 4];
+        }
     }
 }
 

@@ -43,6 +43,11 @@ static inline int64_t qt_bytes(int64_t type) {
 static const int8_t KVALUES_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
+#if defined(__F16C__)
+#include <immintrin.h>
+/* One instruction (exact: every half is a float). */
+static inline float qt_f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+#else
 static inline float qt_f16(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff, bits;
@@ -57,6 +62,7 @@ static inline float qt_f16(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 /* Dequantize one row of K weights (K a multiple of the type's block), as gguf.quants does. */
 void quant_dequant_row(const uint8_t *row, float *out, int64_t K, int64_t type);
