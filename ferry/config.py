@@ -76,6 +76,10 @@ class EngineConfig:
     # "gguf": a GGUF model's quantized weights stay quantized (float32 activations); "none":
     # everything dequantized to dtype at load. None: "gguf" for a GGUF model, else "none".
     quantization: str | None = None
+    # Quantized weights' products: "exact" multiplies float32 activations (the dequantized model's
+    # results); "q8" quantizes activations per block of 32 to int8 for integer dot products
+    # (llama.cpp's way; accuracy cost in README / `ferry bench accuracy`).
+    quant_activations: str = "exact"
     # Products done by torch (oneDNN) with float32 inputs: "ieee" computes in float32; "bf16"
     # lets oneDNN round the inputs to bfloat16 (AMX or AVX512-BF16 CPUs; float32 sums), ~3x
     # faster prefill at a small accuracy cost (README). The C kernels are float32 either way.
@@ -125,6 +129,7 @@ class EngineConfig:
 
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         check(self.quantization in (None, "gguf", "none"), "quantization", "'gguf' or 'none'")
+        check(self.quant_activations in ("exact", "q8"), "quant_activations", "'exact' or 'q8'")
         check(self.fp32_matmul_precision in ("ieee", "bf16"), "fp32_matmul_precision", "'ieee' or 'bf16'")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               "'auto', 'float32', 'bfloat16' or 'float16'")

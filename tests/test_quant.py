@@ -8,13 +8,16 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import KERNEL_TYPES, QuantWeight, cat_rows, dequantize, load_gguf_weights, quant_linear, repack
+from ferry.model.quant import QUANT_TYPES, QuantWeight, cat_rows, check_kernel_types, dequantize, load_gguf_weights, \
+    quant_linear, repack
 
-# GGUF's own (weights, bytes) per block, float16 scales first: what a .gguf file holds.
-GGUF_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
-# Shapes (N, K) per type: K a multiple of the type's block.
-SHAPES = {t: [(1, 32), (5, 96), (37, 576), (258, 1536)] for t in ("Q4_0", "Q4_1", "Q8_0")}
-SHAPES["Q4_K"] = [(1, 256), (37, 512), (258, 1536)]
+# Where each type's float16 scales sit in its block (ggml's block layouts): random bytes elsewhere
+# are valid quants and sub-scales, random bytes here could be NaN.
+F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4), "Q8_0": (0, 2), "Q2_K": (80, 84),
+              "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2),
+              "IQ4_XS": (0, 2)}
+# Shapes (N, K) per type: K whole blocks, N not a multiple of the kernels' register blocks.
+SHAPES = {t: [(1, 32), (5, 96), (37, 576)] if q.block == 32 else [(1, 256), (37, 768)] for t, q in QUANT_TYPES.items()}
 CASES = [(t, n, k) for t in sorted(SHAPES) for n, k in SHAPES[t]]
 
 
@@ -27,10 +30,10 @@ def kernels():
 def random_gguf_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     """n rows of k weights as a GGUF file stores them: random quants, float16 scales of either sign."""
     rng = np.random.default_rng(seed)
-    weights, nbytes = GGUF_BLOCK[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    scales = 4 if qtype in ("Q4_1", "Q4_K") else 2  # d (and m, or dmin)
-    blocks[..., :scales] = rng.normal(0, 0.02, size=(n, k // weights, scales // 2)).astype(np.float16).view(np.uint8)
+    t = QUANT_TYPES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // t.block, t.nbytes), dtype=np.uint8)
+    a, b = F16_FIELDS[qtype]
+    blocks[..., a:b] = rng.normal(0, 0.02, size=(n, k // t.block, (b - a) // 2)).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -40,27 +43,39 @@ def gguf_type(qtype: str):
     return GGMLQuantizationType[qtype]
 
 
-@pytest.mark.parametrize("qtype,n,k", CASES + [("Q4_1", 131, 64), ("Q8_0", 300, 1536)])
-def test_repacked_weights_dequantize_as_gguf_does(qtype, n, k):
+def test_the_type_table_is_gguf_s_and_the_kernels_own(monkeypatch):
+    from gguf import GGML_QUANT_SIZES
+
+    for name, t in QUANT_TYPES.items():
+        assert (t.kernel_id, (t.block, t.nbytes)) == (gguf_type(name).value, GGML_QUANT_SIZES[gguf_type(name)])
+    check_kernel_types(load_kernels())
+    monkeypatch.setitem(QUANT_TYPES, "Q6_K", QUANT_TYPES["Q6_K"].__class__("Q6_K", 14, 256, 208))
+    with pytest.raises(RuntimeError, match="quant_types.h"):
+        check_kernel_types(load_kernels())
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES + [("Q4_1", 131, 64), ("Q6_K", 70, 1536)])
+def test_weights_dequantize_as_gguf_does(qtype, n, k):
     raw = random_gguf_rows(qtype, n, k, seed=n + k)
     w = repack(raw, qtype, (n, k))
-    expected = gguf_dequantize(raw, gguf_type(qtype)).reshape(n, k)
-    assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert w.nbytes == raw.nbytes  # the file's blocks, as they are
+    expected = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, gguf_type(qtype)).reshape(n, k)))
+    assert torch.equal(dequantize(w), expected)
     rows = torch.tensor([n - 1, 0, n // 2])
-    assert torch.equal(dequantize(w, rows), torch.from_numpy(np.ascontiguousarray(expected))[rows])
+    assert torch.equal(dequantize(w, rows), expected[rows])
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 31, 32, 33, 100])
 @pytest.mark.parametrize("qtype,n,k", CASES)
 def test_products_equal_dequantize_then_matmul(qtype, m, n, k):
-    """Every path (fused for few rows, buffered, dequantize-then-BLAS), ragged M and N (not
-    multiples of the register blocks) and K of 1 to 48 blocks."""
+    """Both paths (the kernel for few rows, dequantize-then-BLAS), ragged M and N (not multiples
+    of the register blocks) and K of 1 to 18 blocks."""
     w = repack(random_gguf_rows(qtype, n, k, seed=m * n + k), qtype, (n, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = quant_linear(x, w)
     assert y.shape == (m, n) and y.is_contiguous()
     ref = x @ dequantize(w).t()
-    # Sums of up to 1536 terms in another order: float32 rounding relative to the outputs' size.
+    # Sums of up to 768 terms in another order: float32 rounding relative to the outputs' size.
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -73,6 +88,43 @@ def test_fused_rows_stack_like_their_parts():
     assert torch.equal(dequantize(both), torch.cat([dequantize(a), dequantize(b)]))
     mixed = cat_rows([a, c])  # different types: float32
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([dequantize(a), dequantize(c)]))
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(len(tensors))
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    for name, (raw, qtype) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=gguf_type(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_file_with_every_type_loads_quantized(tmp_path):
+    """The gguf library quantizes what it can (Q4_0 ... Q8_0); valid random blocks for the rest."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i, name in enumerate(QUANT_TYPES):
+        k = 512
+        try:
+            raw = quantize(rng.normal(0, 0.02, size=(6, k)).astype(np.float32), gguf_type(name))
+        except NotImplementedError:
+            raw = random_gguf_rows(name, 6, k, seed=i)
+        tensors[f"blk.{i}.ffn_down.weight"] = (raw, name)
+    write_gguf(tmp_path / "every.gguf", tensors)
+    weights = load_gguf_weights(tmp_path / "every.gguf")
+    for i, (name, (raw, qtype)) in enumerate(tensors.items()):
+        w = weights[f"model.layers.{i}.mlp.down_proj.weight"]
+        assert isinstance(w, QuantWeight) and w.qtype == qtype and w.shape == (6, 512) and w.nbytes == raw.nbytes
+        expected = gguf_dequantize(raw, gguf_type(qtype)).reshape(6, 512)
+        assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected))), qtype
 
 
 def test_embedded_model_stays_quantized_and_equals_its_float_conversion(embedded_dir):
@@ -94,23 +146,11 @@ def test_embedded_model_stays_quantized_and_equals_its_float_conversion(embedded
     assert resident < 150e6, resident
 
 
-def test_a_type_the_kernel_lacks_is_refused_by_name(tmp_path):
-    from gguf import GGUFWriter
-
-    path = tmp_path / "k-quant.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    # One Q6_K super-block row (256 weights, 210 bytes): a type ferry cannot keep quantized.
-    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((1, 210), dtype=np.uint8),
-                      raw_dtype=gguf_type("Q6_K"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has GGUF type Q6_K.*--quantization none"):
-        load_gguf_weights(path)
+def test_a_type_the_kernels_lack_is_refused_by_name(tmp_path):
+    # One TQ2_0 block row (256 weights, 66 bytes): a type ferry cannot keep quantized.
+    write_gguf(tmp_path / "tq.gguf", {"blk.0.ffn_down.weight": (np.zeros((1, 66), dtype=np.uint8), "TQ2_0")})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has GGUF type TQ2_0.*--quantization none"):
+        load_gguf_weights(tmp_path / "tq.gguf")
 
 
 def test_quantized_and_float_engines_agree(llm, parity_prompts):
@@ -137,22 +177,195 @@ def test_quantization_gguf_needs_a_gguf_file(embedded_dir):
         LLM(model=str(embedded_dir), quantization="gguf")
 
 
-def test_a_q4_k_file_loads_quantized(tmp_path):
-    """K-quant super-blocks become the kernel's Q4_1 blocks, read from a real GGUF file."""
-    from gguf import GGUFWriter
+def test_every_float16_scale_converts_exactly():
+    """Q8_0 blocks whose scale walks all finite float16 values (subnormals, zeros, infinities)."""
+    h = np.arange(65536, dtype=np.uint16)
+    h = h[~np.isnan(h.view(np.float16))]
+    raw = np.zeros((h.size, 34), dtype=np.uint8)
+    raw[:, 0:2] = h.view(np.uint8).reshape(-1, 2)
+    raw[:, 2:] = np.r_[-16:0, 1:17].astype(np.int8).view(np.uint8)  # no 0: inf * 0 is NaN
+    w = repack(raw.reshape(1, -1), "Q8_0", (1, 32 * h.size))
+    expected = gguf_dequantize(raw, gguf_type("Q8_0")).reshape(1, -1)
+    assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected)))
 
-    raw = random_gguf_rows("Q4_K", 8, 512, seed=7)
-    path = tmp_path / "q4k.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf_type("Q4_K"))
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """A plain Q6_K quantizer for tests (the gguf library has none): rows of [n, k] -> blocks."""
+    x = w.reshape(-1, 16, 16).astype(np.float32)  # super-blocks x 16 sub-blocks of 16
+    s = np.abs(x).max(-1) / 31
+    d = (s.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = np.clip(np.round(s / np.maximum(d.astype(np.float32), 1e-30)), 1, 127).astype(np.int8)
+    step = d.astype(np.float32)[..., None] * sc[..., None]
+    q = (np.clip(np.round(x / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    halves = q.reshape(-1, 2, 2, 64)  # [half of 128, low or high nibble, 64]
+    ql = (halves[:, :, 0] & 15) | ((halves[:, :, 1] & 15) << 4)
+    quarters = q.reshape(-1, 2, 4, 32) >> 4  # [half, which 2-bit field, 32]
+    qh = sum(quarters[:, :, i] << (2 * i) for i in range(4)).astype(np.uint8)
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return out.reshape(w.shape[0], -1)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """A plain IQ4_NL quantizer for tests: each block's largest weight maps to -127."""
+    from gguf.quants import IQ4_NL
+
+    x = w.reshape(-1, 32).astype(np.float32)
+    d = (np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1) / -127).astype(np.float16)
+    kv = np.array(IQ4_NL.kvalues, dtype=np.float32)
+    q = np.abs(x[..., None] - d.astype(np.float32)[..., None] * kv).argmin(-1).astype(np.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], axis=1).reshape(w.shape[0], -1)
+
+
+# Per layer of a two-layer cut of the embedded model, the types of its tensors (one type for q,
+# k and v, and for gate and up, so the fused products stay quantized), like a Q4_K_M mix.
+MIXED = [{"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q8_0",
+          "ffn_up": "Q8_0", "ffn_down": "Q6_K"},
+         {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "IQ4_NL", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+          "ffn_up": "Q4_1", "ffn_down": "Q4_K"}]
+
+
+def write_mixed_gguf(path) -> None:
+    """The embedded GGUF's first two layers, requantized per MIXED (Q4_K: valid random blocks)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    from ferry.model.gguf_convert import embedded_gguf_path
+
+    reader = GGUFReader(str(embedded_gguf_path()))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    writer = GGUFWriter(str(path), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = 2 if name == f"{arch}.block_count" else field.contents()
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= 2:
+            continue
+        qtype = MIXED[int(parts[1])].get(parts[2]) if parts[0] == "blk" else None
+        if qtype is None:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            continue
+        w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if qtype == "Q6_K":
+            raw = quantize_q6_k(w)
+        elif qtype == "IQ4_NL":
+            raw = quantize_iq4_nl(w)
+        elif qtype == "Q4_K":
+            raw = random_gguf_rows("Q4_K", w.shape[0], w.shape[1], seed=1)
+            raw.reshape(w.shape[0], -1, 144)[..., 0:4] = np.full(2, 2e-5, np.float16).view(np.uint8)
+        else:
+            raw = quantize(w, gguf_type(qtype))
+        writer.add_tensor(t.name, raw, raw_dtype=gguf_type(qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    w = load_gguf_weights(path)["model.layers.0.mlp.down_proj.weight"]
-    assert isinstance(w, QuantWeight) and w.shape == (8, 512) and w.kernel_type == KERNEL_TYPES["Q4_1"][0]
-    expected = gguf_dequantize(raw, gguf_type("Q4_K")).reshape(8, 512)
-    assert torch.equal(dequantize(w), torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+def test_a_mixed_file_generates_as_its_dequantized_copy(tmp_path, monkeypatch, parity_prompts):
+    """Seven types in one model, kept quantized: the same greedy tokens as the float32 model the
+    gguf library dequantizes from the same file (quantization none)."""
+    from ferry import LLM, SamplingParams
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mixed-q4km.gguf"
+    write_mixed_gguf(path)
+    quant = LLM(model=str(path))
+    layers = quant.engine.executor.model.layers
+    kinds = [(l.qkv.qtype, l.o_proj.qtype, l.gate_up.qtype, l.down.qtype) for l in layers]
+    assert kinds == [(m["attn_q"], m["attn_output"], m["ffn_gate"], m["ffn_down"]) for m in MIXED]
+    floats = LLM(model=str(path), quantization="none")
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = parity_prompts[:4]
+    a = [o.outputs[0].token_ids for o in quant.generate(prompts, sp, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in floats.generate(prompts, sp, use_tqdm=False)]
+    assert a == b and len({tuple(t) for t in a}) > 1
+
+
+def test_k_quant_shards_cut_on_super_blocks():
+    """Tensor-parallel MLP cuts fall on 256-weight edges where the size allows, so a K-quant
+    down projection's column shards stay quantized and equal the float columns."""
+    from ferry.model.shard_plan import split
+    from ferry.model.tensor_parallel import shard_cols
+
+    w = repack(random_gguf_rows("Q6_K", 8, 1536, seed=3), "Q6_K", (8, 1536))
+    full = dequantize(w)
+    for rank in range(4):
+        start, end = split(1536, 4, rank, 256)
+        part = shard_cols(w, start, end)
+        assert isinstance(part, QuantWeight) and torch.equal(dequantize(part), full[:, start:end])
+    off = shard_cols(w, 32, 320)  # not on a super-block: that shard is dequantized
+    assert isinstance(off, torch.Tensor) and torch.equal(off, full[:, 32:320])
+
+
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the q8 mode sees it (per 32: scale amax / 127, levels rounded half away from zero),
+    and each element's scale."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0)
+    q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+    return (q * d).reshape(x.shape), d.expand_as(blocks).reshape(x.shape)
+
+
+@pytest.mark.parametrize("m", [1, 3, 7, 33, 100])
+@pytest.mark.parametrize("qtype,n,k", [c for c in CASES if c[1] > 1])
+def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n, k):
+    """q8: the product of the int8-rounded activations with the dequantized weight (up to the order
+    of sums), so within |w| @ (scale / 2) of exact: each activation moves by at most half its step."""
+    w = repack(random_gguf_rows(qtype, n, k, seed=m * n + k), qtype, (n, k), )
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    wf = dequantize(w)
+    exact = x @ wf.t()
+    w.activations = "q8"
+    y = quant_linear(x, w)
+    xq, step = q8_activations(x)
+    scale = float((xq.abs() @ wf.abs().t()).max())
+    torch.testing.assert_close(y, xq @ wf.t(), rtol=1e-4, atol=2e-5 * scale)
+    bound = 0.5 * step @ wf.abs().t() + 2e-5 * scale
+    assert bool(((y - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
+    from ferry.model.quant import Q8_ISAS, q8_isa
+
+    n, k = SHAPES[qtype][-1]
+    w = repack(random_gguf_rows(qtype, n, k, seed=5), qtype, (n, k))
+    w.activations = "q8"
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    best = q8_isa()
+    ran = []
+    try:
+        q8_isa("portable")
+        ref = quant_linear(x, w)
+        for isa in Q8_ISAS[1:]:
+            try:
+                q8_isa(isa)
+            except ValueError:
+                continue  # this CPU lacks it
+            ran.append(isa)
+            assert torch.equal(quant_linear(x, w), ref), isa
+    finally:
+        q8_isa(best)
+    assert "avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX")
+
+
+def test_a_q8_engine_stays_close_to_the_exact_one(llm, parity_prompts):
+    """quant_activations='q8' reaches every quantized product (the fused decode too): the model's
+    next-token choices mostly agree with exact mode's, and its logprobs move little but do move."""
+    from ferry import LLM, SamplingParams
+    from ferry.bench.accuracy import compare
+
+    q8 = LLM(quant_activations="q8")
+    assert q8.engine.executor.model.layers[0].qkv.activations == "q8"
+    stats = compare(llm, q8, parity_prompts[:4])
+    assert stats["top1_agreement"] > 0.9 and 0 < stats["mean_abs_logprob_diff"] < 0.2, stats
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in q8.generate(parity_prompts[:2], sp, use_tqdm=False))
+    with pytest.raises(ValueError, match="quant_activations must be 'exact' or 'q8'"):
+        LLM(quant_activations="int4")

@@ -58,9 +58,11 @@ def run_accuracy(config: EngineConfig) -> dict[str, Any]:
     (bit for bit the dequantized float32 model) where the model is a GGUF."""
     from ferry import LLM
 
-    exact_cfg = replace(config, fp32_matmul_precision="ieee", dtype="float32", quantization=None)
+    exact_cfg = replace(config, fp32_matmul_precision="ieee", dtype="float32", quantization=None,
+                        quant_activations="exact")
     exact, other = LLM(**vars(exact_cfg)), LLM(**vars(config))
     prompts = [exact.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
     return {"settings": {"dtype": config.dtype, "quantization": config.quantization,
+                         "quant_activations": config.quant_activations,
                          "fp32_matmul_precision": config.fp32_matmul_precision},
             **compare(exact, other, prompts)}

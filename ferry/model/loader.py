@@ -12,7 +12,7 @@ import torch
 from ferry.config import EngineConfig
 from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import cached_gguf_weights
+from ferry.model.quant import cached_gguf_weights, set_activations
 from ferry.model.gguf_convert import converted_dir, embedded_gguf_path
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,9 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
         if load_kernels() is None:
             log.warning("no C kernels here (no compiler?): quantized weights are dequantized to float32")
         else:
-            return cached_gguf_weights(gguf, model_dir)
+            weights = cached_gguf_weights(gguf, model_dir)
+            set_activations(weights, config.quant_activations)
+            return weights
     return unfuse(load_safetensors(model_dir), cfg)
 
 

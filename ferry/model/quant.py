@@ -1,14 +1,14 @@
-"""GGUF-quantized weights kept quantized in memory (Q4_0, Q4_1, Q8_0, Q4_K), and products with them.
+"""GGUF-quantized weights kept quantized in memory (every type in QUANT_TYPES), and products with them.
 
 ``load_gguf_weights`` reads a llama GGUF straight into Hugging Face names: float tensors as
-float32, quantized ones repacked for the C kernel (``kernels/quant_gemm.c``, which documents the
-layout). ``quant_linear`` multiplies float32 activations with a quantized weight: the kernel for
+float32, quantized ones in the file's own blocks, for the C kernels (``kernels/quant_types.h``). ``quant_linear`` multiplies float32 activations with a quantized weight: the kernel for
 few rows, and for many rows the weight dequantized in slices into one reused buffer, then BLAS.
 Either way the result is the float32 model's (the dequantization is the gguf library's, bit for
 bit), up to the order of the sums.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from dataclasses import dataclass
@@ -18,12 +18,33 @@ import numpy as np
 import torch
 
 from ferry.model.kernels import load_kernels
-from ferry.model.shard_plan import QK  # GGUF blocks of 32 weights
+from ferry.model.shard_plan import QK  # the smallest GGUF block (32 weights)
 
-# GGUF type name -> (the kernel's type id, repacked bytes per block of 32). Q4_K's sub-blocks of 32
-# (a scale and a min each) are exactly Q4_1 blocks once their scales are multiplied out.
-KERNEL_TYPES = {"Q4_0": (0, 20), "Q4_1": (1, 24), "Q8_0": (2, 36), "Q4_K": (1, 24)}
+
+@dataclass(frozen=True)
+class QuantType:
+    """One GGUF type ferry keeps quantized: its blocks as the file stores them (float16 scales),
+    served by the C kernels under ``kernel_id`` (the GGML type id, ``kernels/quant_types.h``)."""
+
+    name: str
+    kernel_id: int
+    block: int  # weights per block
+    nbytes: int  # bytes per block
+    kept: str = "the file's blocks"
+
+
+# Mirrors kernels/quant_types.h row for row; ``check_kernel_types`` compares the two at load.
+QUANT_TYPES = {t.name: t for t in (
+    QuantType("Q4_0", 2, 32, 18), QuantType("Q4_1", 3, 32, 20), QuantType("Q5_0", 6, 32, 22),
+    QuantType("Q5_1", 7, 32, 24), QuantType("Q8_0", 8, 32, 34), QuantType("Q2_K", 10, 256, 84),
+    QuantType("Q3_K", 11, 256, 110), QuantType("Q4_K", 12, 256, 144), QuantType("Q5_K", 13, 256, 176),
+    QuantType("Q6_K", 14, 256, 210), QuantType("IQ4_NL", 20, 32, 18), QuantType("IQ4_XS", 23, 256, 136),
+)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ACTIVATION_MODES = ("exact", "q8")
+Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
+# quant_q8_isa's variant ids (kernels/quant_q8.c).
+Q8_ISAS = ("portable", "avx2", "avx512bw", "avxvnni", "avx512vnni")
 
 # Up to this many rows the kernel's product wins; above it, dequantize-then-BLAS (measured with
 # `ferry bench kernels`: BLAS's packing pays off once the weight is reused by many rows).
@@ -33,17 +54,46 @@ KERNEL_ROWS = 32
 SLICE_FLOATS = 4 * 2**20
 
 
+def check_kernel_types(lib) -> None:
+    """Raise RuntimeError when the compiled table (quant_types.h) differs from QUANT_TYPES."""
+    name, info = ctypes.create_string_buffer(16), (ctypes.c_int64 * 3)()
+    n = lib.quant_type_row(0, name, info)
+    rows = []
+    for i in range(n):
+        lib.quant_type_row(i, name, info)
+        rows.append((name.value.decode(), *info))
+    ours = [(t.name, t.kernel_id, t.block, t.nbytes) for t in QUANT_TYPES.values()]
+    if rows != ours:
+        raise RuntimeError(f"kernels/quant_types.h {rows} differs from quant.QUANT_TYPES {ours}")
+
+
+def _kernels():
+    lib = load_kernels()
+    if lib is not None and not getattr(lib, "types_checked", False):
+        check_kernel_types(lib)
+        lib.types_checked = True
+    return lib
+
+
 @dataclass
 class QuantWeight:
-    """A [N, K] weight kept in the kernel's repacked blocks (``data``: uint8 [N, K/32 * block])."""
+    """A [N, K] weight kept in the file's blocks (``data``: uint8 [N, K / block * bytes per block])."""
 
     data: torch.Tensor
     qtype: str
     shape: tuple[int, int]
+    # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
+    # per block of 32 to int8 and integer dot products (quant_q8.c), at every number of rows.
+    activations: str = "exact"
+
+    @property
+    def kind(self) -> QuantType:
+        return QUANT_TYPES[self.qtype]
 
     @property
     def kernel_type(self) -> int:
-        return KERNEL_TYPES[self.qtype][0]
+        """The product kernel's type id (the fused decode passes it on): the type, plus the q8 flag."""
+        return self.kind.kernel_id | (Q8_FLAG if self.activations == "q8" else 0)
 
     @property
     def nbytes(self) -> int:
@@ -51,44 +101,13 @@ class QuantWeight:
 
 
 def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
-    """GGUF blocks (float16 scales) of a [N, K] tensor -> the kernel's blocks (float32 scales)."""
+    """A [N, K] tensor's GGUF blocks (bytes, row-major) as a QuantWeight, kept as they are."""
+    t = QUANT_TYPES[qtype]
     n, k = shape
-    if qtype == "Q4_K":
-        return _repack_q4_k(raw, shape)
-    nb = k // QK
-    src = raw.reshape(n, nb, -1)
-    out = np.empty((n, nb, KERNEL_TYPES[qtype][1]), dtype=np.uint8)
-    d = src[..., 0:2].copy().view(np.float16).astype(np.float32)
-    out[..., 0:4] = d.view(np.uint8)
-    if qtype == "Q4_1":
-        out[..., 4:8] = src[..., 2:4].copy().view(np.float16).astype(np.float32).view(np.uint8)
-        out[..., 8:] = src[..., 4:]
-    else:
-        out[..., 4:] = src[..., 2:]
-    return QuantWeight(torch.from_numpy(out.reshape(n, -1)), qtype, shape)
-
-
-def _repack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
-    """Q4_K super-blocks (256 weights: float16 d and dmin, 6-bit scales and mins, 4-bit quants) ->
-    Q4_1 blocks with scale d * sc and min -(dmin * m): the gguf library's d * sc * q - dmin * m,
-    bit for bit (q * (d * sc) is exact in float32)."""
-    from gguf.quants import Q4_K
-
-    n, k = shape
-    src = raw.reshape(-1, 144)
-    d = src[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = src[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = Q4_K.get_scale_min(src[:, 4:16].copy())
-    scale = d * sc.astype(np.float32)  # [blocks, 8 sub-blocks]
-    low = -(dmin * mn.astype(np.float32))
-    # Each 32 bytes of quants hold two sub-blocks: low nibbles the first, high nibbles the second.
-    qs = src[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    vals = (qs & 15).reshape(-1, 8, 32)
-    out = np.empty((src.shape[0], 8, KERNEL_TYPES["Q4_K"][1]), dtype=np.uint8)
-    out[..., 0:4] = scale.reshape(-1, 8, 1).view(np.uint8)
-    out[..., 4:8] = low.reshape(-1, 8, 1).view(np.uint8)
-    out[..., 8:] = vals[..., :16] | (vals[..., 16:] << 4)
-    return QuantWeight(torch.from_numpy(out.reshape(n, -1)), "Q4_K", shape)
+    if k % t.block:
+        raise ValueError(f"a {qtype} row of {k} weights is not whole blocks of {t.block}")
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // t.block * t.nbytes)
+    return QuantWeight(torch.from_numpy(data.copy()), qtype, shape)
 
 
 def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,8 +115,8 @@ def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor
     n = w.shape[0] if rows is None else rows.numel()
     out = torch.empty(n, w.shape[1], dtype=torch.float32)
     ids = None if rows is None else rows.to(torch.int64).contiguous()
-    load_kernels().quant_dequant(w.data.data_ptr(), None if ids is None else ids.data_ptr(),
-                                 out.data_ptr(), n, w.shape[1], w.kernel_type)
+    _kernels().quant_dequant(w.data.data_ptr(), None if ids is None else ids.data_ptr(),
+                                 out.data_ptr(), n, w.shape[1], w.kind.kernel_id)
     return out
 
 
@@ -105,15 +124,15 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] float32 @ dequant(w).T -> [M, N]."""
     x = x.contiguous()
     m, (n, k) = x.shape[0], w.shape
-    lib = load_kernels()
-    if m <= KERNEL_ROWS:
+    lib = _kernels()
+    if m <= KERNEL_ROWS or w.activations == "q8":
         y = torch.empty(m, n, dtype=torch.float32)
         lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
         return y
     step = max(1, SLICE_FLOATS // k)
     buf = torch.empty(min(n, step), k, dtype=torch.float32)
     if n <= step:
-        lib.quant_dequant(w.data.data_ptr(), None, buf.data_ptr(), n, k, w.kernel_type)
+        lib.quant_dequant(w.data.data_ptr(), None, buf.data_ptr(), n, k, w.kind.kernel_id)
         return torch.mm(x, buf.t())
     # A large matrix (an LM head) in row slices of y.T: each slice of the weight is dequantized
     # and used at once, while in cache.
@@ -121,20 +140,40 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     row_bytes = w.data.shape[1]
     for n0 in range(0, n, step):
         rows = min(step, n - n0)
-        lib.quant_dequant(w.data.data_ptr() + n0 * row_bytes, None, buf.data_ptr(), rows, k, w.kernel_type)
+        lib.quant_dequant(w.data.data_ptr() + n0 * row_bytes, None, buf.data_ptr(), rows, k, w.kind.kernel_id)
         torch.mm(buf[:rows], x.t(), out=yt[n0:n0 + rows])
     return yt.t().contiguous()
+
+
+def set_activations(weights: dict, mode: str) -> None:
+    """Run every quantized weight of ``weights`` in activation mode ``mode`` (ACTIVATION_MODES)."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"quant_activations must be one of {ACTIVATION_MODES}, got {mode!r}")
+    for w in weights.values():
+        if isinstance(w, QuantWeight):
+            w.activations = mode
+
+
+def q8_isa(name: str | None = None) -> str:
+    """The q8 kernels' instruction-set variant in use; ``name`` (one of Q8_ISAS) switches to it,
+    a ValueError when this CPU lacks it."""
+    lib = _kernels()
+    got = lib.quant_q8_isa(-2 if name is None else Q8_ISAS.index(name))
+    if got < 0:
+        raise ValueError(f"this CPU cannot run the {name} q8 kernels")
+    return Q8_ISAS[got]
 
 
 def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
     """Stack weights along the output dimension (fused qkv, gate+up); float32 if the types differ."""
     if all(isinstance(w, QuantWeight) for w in ws) and len({w.kernel_type for w in ws}) == 1:
         return QuantWeight(torch.cat([w.data for w in ws]).contiguous(), ws[0].qtype,
-                           (sum(w.shape[0] for w in ws), ws[0].shape[1]))
+                           (sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].activations)
     return torch.cat([dequantize(w) if isinstance(w, QuantWeight) else w for w in ws]).contiguous()
 
 
-CACHE_FILE = "ferry-quantized.safetensors"
+# v2: the file's own blocks (v1 held float32-scale repacks).
+CACHE_FILE = "ferry-quantized-v2.safetensors"
 
 
 def cached_gguf_weights(path: Path, cache_dir: Path) -> dict[str, torch.Tensor | QuantWeight]:
@@ -165,7 +204,7 @@ def load_gguf_weights(path: Path) -> dict[str, torch.Tensor | QuantWeight]:
     """Every tensor of a llama GGUF under its Hugging Face name; quantized ones stay quantized.
 
     Raises ValueError naming the tensor and its type when a type is neither a float nor one the
-    kernel supports (serve such a file with ``quantization="none"``, which dequantizes it all).
+    kernels keep quantized (serve such a file with ``quantization="none"``, which dequantizes it all).
     """
     from gguf import GGUFReader
 
@@ -182,11 +221,11 @@ def load_gguf_weights(path: Path) -> dict[str, torch.Tensor | QuantWeight]:
         if qtype in FLOAT_TYPES:
             w = np.asarray(t.data).astype(np.float32).reshape(shape)
             out[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(unpermute_rope(w, heads) if heads else w))
-        elif qtype in KERNEL_TYPES and len(shape) == 2 and shape[1] % QK == 0:
+        elif qtype in QUANT_TYPES and len(shape) == 2 and shape[1] % QUANT_TYPES[qtype].block == 0:
             raw = np.asarray(t.data).reshape(shape[0], -1)
             # Rope's row permutation moves whole rows, and a row's blocks move with it.
             out[hf_name(t.name)] = repack(unpermute_rope(raw, heads) if heads else raw, qtype, shape)
         else:
             raise ValueError(f"{path.name}: tensor {t.name!r} has GGUF type {qtype}, which ferry cannot keep "
-                             f"quantized (supported: {', '.join(KERNEL_TYPES)}); use --quantization none")
+                             f"quantized (supported: {', '.join(QUANT_TYPES)}); use --quantization none")
     return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ferry.model.config import ModelConfig
 
 QK = 32  # quantized weights come in blocks of this many (ferry.model.quant): cuts fall on them
+QK_K = 256  # K-quants' super-blocks (Q2_K..Q6_K, IQ4_XS): MLP cuts fall on them where the size allows
 
 
 def split(n: int, parts: int, rank: int, align: int = 1) -> tuple[int, int]:
@@ -58,7 +59,8 @@ class ShardPlan:
         if cfg.intermediate_size < world or cfg.vocab_size < world:
             raise ValueError(f"tensor_parallel_size {world} is more than the model's intermediate size or vocabulary")
         vocab = split(cfg.vocab_size, world, 0)
-        return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank, QK),
+        mlp_align = QK_K if cfg.intermediate_size % QK_K == 0 and cfg.intermediate_size >= QK_K * world else QK
+        return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank, mlp_align),
                    split(cfg.vocab_size, world, rank), vocab[1] - vocab[0], max_kv)
 
     @property

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ferry.model.quant import QK, QuantWeight, dequantize
+from ferry.model.quant import QuantWeight, dequantize
 from ferry.model.shard_plan import ShardPlan, split
 
 Weight = torch.Tensor | QuantWeight
@@ -28,18 +28,18 @@ Weight = torch.Tensor | QuantWeight
 def shard_rows(w: Weight, start: int, end: int) -> Weight:
     """Output rows [start, end) of a [N, K] weight (or a bias)."""
     if isinstance(w, QuantWeight):
-        return QuantWeight(w.data[start:end].contiguous(), w.qtype, (end - start, w.shape[1]))
+        return QuantWeight(w.data[start:end].contiguous(), w.qtype, (end - start, w.shape[1]), w.activations)
     return w[start:end].contiguous()
 
 
 def shard_cols(w: Weight, start: int, end: int) -> Weight:
     """Input columns [start, end) of a [N, K] weight. A quantized weight stays quantized when the
-    cut falls on its blocks of 32; otherwise that shard is dequantized."""
+    cut falls on its blocks (32 weights, 256 for K-quants); otherwise that shard is dequantized."""
     if isinstance(w, QuantWeight):
-        if start % QK == 0 and end % QK == 0:
-            per_block = w.data.shape[1] // (w.shape[1] // QK)
-            data = w.data[:, start // QK * per_block:end // QK * per_block].contiguous()
-            return QuantWeight(data, w.qtype, (w.shape[0], end - start))
+        qk, per_block = w.kind.block, w.kind.nbytes
+        if start % qk == 0 and end % qk == 0:
+            data = w.data[:, start // qk * per_block:end // qk * per_block].contiguous()
+            return QuantWeight(data, w.qtype, (w.shape[0], end - start), w.activations)
         w = dequantize(w)
     return w[:, start:end].contiguous()
 

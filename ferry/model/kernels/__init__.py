@@ -22,9 +22,17 @@ from pathlib import Path
 from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "f32_rows.h")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
+                                                 "quant_dequant.c", "quant_q8.c")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "f32_rows.h", "quant_types.h")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
+# Dequantization must be the gguf library's float32 arithmetic bit for bit: no fast math, no fused
+# multiply-adds.
+# The q8 kernels: a baseline x86-64 build whose variants each enable their own instructions
+# (target attributes), so the AVX2 one runs on AVX2-only CPUs; one float order for all variants.
+EXACT_FLAGS = {"quant_dequant.c": ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fPIC"],
+               "quant_q8.c": ["-O3", "-march=x86-64-v2", "-mtune=native", "-fno-fast-math", "-ffp-contract=off",
+                              "-fPIC", "-fopenmp"]}
 
 
 def _torch_libgomp() -> Path | None:
@@ -57,7 +65,8 @@ def load_kernels() -> ctypes.CDLL | None:
         return None
     link = [f"-Wl,-rpath,{gomp.parent}", str(gomp), "-lm"]
     text = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
-    key = hashlib.sha256(text + " ".join(COMPILE_FLAGS + link).encode() + _cpu_id().encode()).hexdigest()[:16]
+    flags = " ".join(COMPILE_FLAGS + link + [f for v in EXACT_FLAGS.values() for f in v])
+    key = hashlib.sha256(text + flags.encode() + _cpu_id().encode()).hexdigest()[:16]
     lib = default_cache_dir() / "kernels" / f"ferry-kernels-{key}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +75,7 @@ def load_kernels() -> ctypes.CDLL | None:
             # -fopenmp compiles the pragmas; linking torch's libgomp by path (not -lgomp) keeps one runtime.
             objs = [tmp.with_suffix(f".{src.stem}.o") for src in SOURCES]
             for src, obj in zip(SOURCES, objs):
-                subprocess.run([cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)], check=True,
+                subprocess.run([cc, *EXACT_FLAGS.get(src.name, COMPILE_FLAGS), "-c", str(src), "-o", str(obj)], check=True,
                                capture_output=True, text=True)
             subprocess.run([cc, "-shared", *map(str, objs), "-o", str(tmp), *link], check=True,
                            capture_output=True, text=True)
@@ -87,6 +96,10 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_gemm.restype = None
     so.quant_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.quant_dequant.restype = None
+    so.quant_q8_isa.argtypes = [i64]
+    so.quant_q8_isa.restype = i64
+    so.quant_type_row.argtypes = [i64, ctypes.c_char_p, ptr]
+    so.quant_type_row.restype = i64
     so.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64] + [ptr] * 4 + [i64] + [ptr] * 3
     so.decode_layers.restype = None
     return so

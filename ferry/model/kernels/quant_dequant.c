@@ -1,0 +1,184 @@
+/* Dequantization of every GGUF type in quant_types.h, bit for bit as gguf.quants.dequantize:
+ * the same float32 operations in the same order. This file is compiled without -ffast-math and
+ * with -ffp-contract=off (kernels/__init__.py), so no multiply-add is fused and no sum reordered.
+ * Block layouts are the file's own (ggml's block_q4_0 ... block_iq4_xs). */
+#include <stdint.h>
+#include <string.h>
+
+#include "quant_types.h"
+
+/* Loops are written so the compiler vectorizes them: element i < 16 of a 32-block is the low
+ * nibble of qs[i], element 16 + i its high nibble. */
+static void q4_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b);
+    const uint8_t *qs = b + 2;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((qs[i] & 15) - 8);
+        y[i + 16] = d * (float)((qs[i] >> 4) - 8);
+    }
+}
+static void q4_1(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b), m = qt_f16(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(qs[i] & 15) + m;
+        y[i + 16] = d * (float)(qs[i] >> 4) + m;
+    }
+}
+static void q5_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const uint8_t *qs = b + 6;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(((qs[i] & 15) | (int)(((qh >> i) & 1) << 4)) - 16);
+        y[i + 16] = d * (float)(((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) - 16);
+    }
+}
+static void q5_1(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b), m = qt_f16(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const uint8_t *qs = b + 8;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((qs[i] & 15) | (int)(((qh >> i) & 1) << 4)) + m;
+        y[i + 16] = d * (float)((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) + m;
+    }
+}
+static void q8_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b);
+    for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+}
+static void iq4_nl(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b);
+    const uint8_t *qs = b + 2;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)KVALUES_IQ4[qs[i] & 15];
+        y[i + 16] = d * (float)KVALUES_IQ4[qs[i] >> 4];
+    }
+}
+
+/* Super-blocks of 256: element half * 128 + s * 32 + l takes bits 2s of byte half * 32 + l (2-bit
+ * fields), in sub-block (of 16) half * 8 + 2s + l / 16. */
+static void q2_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *sc = b, *qs = b + 16;
+    const float d = qt_f16(b + 80), dmin = qt_f16(b + 82);
+    for (int half = 0; half < 2; half++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const int g = half * 8 + 2 * s + h;
+                const float dl = d * (float)(sc[g] & 15), ml = dmin * (float)(sc[g] >> 4);
+                const uint8_t *q = qs + half * 32 + 16 * h;
+                float *out = y + half * 128 + s * 32 + 16 * h;
+                for (int l = 0; l < 16; l++) out[l] = dl * (float)((q[l] >> (2 * s)) & 3) - ml;
+            }
+}
+static void q3_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    const float d = qt_f16(b + 108);
+    for (int half = 0; half < 2; half++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const int g = half * 8 + 2 * s + h;
+                const int lo = (sc[g % 8] >> (4 * (g / 8))) & 15, hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                const float dl = d * (float)((lo | (hi << 4)) - 32);
+                const uint8_t *q = qs + half * 32 + 16 * h, *m = hm + 16 * h;
+                const int bit = half * 4 + s;
+                float *out = y + half * 128 + s * 32 + 16 * h;
+                for (int l = 0; l < 16; l++)
+                    out[l] = dl * (float)(((q[l] >> (2 * s)) & 3) - ((((m[l] >> bit) & 1) ^ 1) << 2));
+            }
+}
+/* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes. */
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+static void q4_k(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b), dmin = qt_f16(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(b + 4, j, &sc, &m);
+        const float ds = d * (float)sc, dm = dmin * (float)m;
+        const uint8_t *qs = b + 16 + (j / 2) * 32;
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; l++) y[j * 32 + l] = ds * (float)((qs[l] >> shift) & 15) - dm;
+    }
+}
+static void q5_k(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b), dmin = qt_f16(b + 2);
+    const uint8_t *qh = b + 16;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(b + 4, j, &sc, &m);
+        const float ds = d * (float)sc, dm = dmin * (float)m;
+        const uint8_t *qs = b + 48 + (j / 2) * 32;
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; l++)
+            y[j * 32 + l] = ds * (float)(((qs[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - dm;
+    }
+}
+/* Q6_K: element half * 128 + s * 32 + l: low 4 bits from ql[half * 64 + (s % 2) * 32 + l] (nibble
+ * s / 2), high 2 bits from qh[half * 32 + l] (bits 2s). */
+static void q6_k(const uint8_t *restrict b, float *restrict y) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = qt_f16(b + 208);
+    for (int half = 0; half < 2; half++)
+        for (int s = 0; s < 4; s++)
+            for (int h = 0; h < 2; h++) {
+                const float dl = d * (float)sc[half * 8 + 2 * s + h];
+                const uint8_t *ql = b + half * 64 + (s % 2) * 32 + 16 * h, *qh = b + 128 + half * 32 + 16 * h;
+                float *out = y + half * 128 + s * 32 + 16 * h;
+                for (int l = 0; l < 16; l++)
+                    out[l] = dl * (float)((((ql[l] >> (4 * (s / 2))) & 15) | (((qh[l] >> (2 * s)) & 3) << 4)) - 32);
+            }
+}
+static void iq4_xs(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_f16(b);
+    const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
+    const uint8_t *sl = b + 4;
+    for (int j = 0; j < 8; j++) {
+        const int ls = (((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+        const float dl = d * (float)ls;
+        const uint8_t *qs = b + 8 + j * 16;
+        for (int i = 0; i < 16; i++) {
+            y[j * 32 + i] = dl * (float)KVALUES_IQ4[qs[i] & 15];
+            y[j * 32 + 16 + i] = dl * (float)KVALUES_IQ4[qs[i] >> 4];
+        }
+    }
+}
+
+#define ROW(fn, block, bytes) \
+    for (int64_t k = 0; k < K; k += block, row += bytes) fn(row, out + k); \
+    return;
+void quant_dequant_row(const uint8_t *row, float *out, int64_t K, int64_t type) {
+    switch (type) {
+        case QT_Q4_0: ROW(q4_0, 32, 18)
+        case QT_Q4_1: ROW(q4_1, 32, 20)
+        case QT_Q5_0: ROW(q5_0, 32, 22)
+        case QT_Q5_1: ROW(q5_1, 32, 24)
+        case QT_Q8_0: ROW(q8_0, 32, 34)
+        case QT_Q2_K: ROW(q2_k, 256, 84)
+        case QT_Q3_K: ROW(q3_k, 256, 110)
+        case QT_Q4_K: ROW(q4_k, 256, 144)
+        case QT_Q5_K: ROW(q5_k, 256, 176)
+        case QT_Q6_K: ROW(q6_k, 256, 210)
+        case QT_IQ4_NL: ROW(iq4_nl, 32, 18)
+        case QT_IQ4_XS: ROW(iq4_xs, 256, 136)
+        default: memset(out, 0, sizeof(float) * K);  /* unreachable: quant.py checks types at load */
+    }
+}
+
+/* Row i of the table (name, id, block, bytes) for quant.py's load-time check; returns the row
+ * count, and fills nothing when i is past the end. */
+int64_t quant_type_row(int64_t i, char *name, int64_t *info) {
+    int64_t n = 0;
+#define FERRY_QT_ROW(nm, id, block, bytes) \
+    if (n++ == i) { strcpy(name, #nm); info[0] = id; info[1] = block; info[2] = bytes; }
+    FERRY_QUANT_TYPES(FERRY_QT_ROW)
+#undef FERRY_QT_ROW
+    return n;
+}
