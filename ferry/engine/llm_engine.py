@@ -138,6 +138,11 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if vocab is not None and sp.logit_bias and any(t >= vocab for t in sp.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        room = (self.config.max_model_len or 0) - len(token_ids)
+        if self.config.max_model_len is not None and sp.min_tokens > room:
+            raise ValueError(f"min_tokens ({sp.min_tokens}) is more than can ever be generated: the prompt's "
+                             f"{len(token_ids)} tokens leave {max(room, 0)} of max_model_len "
+                             f"({self.config.max_model_len})")
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detect them")
         check = getattr(self.executor, "check_sampling_params", None)
