@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -178,3 +179,80 @@ def test_health_is_503_from_the_first_second_of_the_drain():
         finally:
             busy.kill()
             busy.wait()
+
+
+# ---------------------------------------------------------------- 1. grammar compiles
+def slow_regex(n: int) -> str:
+    return f"[^x]{{0,{n}}}[0-9]{{0,{n}}}"  # a few bytes, seconds to compile
+
+
+def test_grammar_compiles_never_delay_requests_without_one():
+    bound = 3.0
+    with logged_server("--max-grammar-compile-seconds", str(bound)) as proc:
+        url = proc.url
+
+        def plain() -> float:
+            t = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            return time.perf_counter() - t
+
+        plain()  # warm
+        baseline = sorted(plain() for _ in range(3))[1]
+        answers: list[httpx.Response] = []
+        took: list[float] = []
+
+        def guided(regex: str) -> None:
+            t = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": "Hello", "max_tokens": 4, "guided_regex": regex})
+            answers.append(r)
+            took.append(time.perf_counter() - t)
+
+        # Four different slow patterns and four identical ones, sent at once.
+        regexes = [slow_regex(4000 + i) for i in range(4)] + [slow_regex(5000)] * 4
+        threads = [threading.Thread(target=guided, args=(rx,)) for rx in regexes]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        during = sorted(plain() for _ in range(3))[1]
+        for t in threads:
+            t.join(60)
+        ratio = during / baseline
+        print(f"plain request: {baseline:.3f} s alone, {during:.3f} s while 8 grammars compile: x{ratio:.1f}")
+        assert ratio < 4, ratio  # it was ~30 when compiles ran on the server's worker threads
+        assert len(answers) == 8 and max(took) < bound + 5, took  # each refused at the bound
+        for r in answers:
+            assert r.status_code == 400, r.text
+            assert "structured_outputs.regex" in r.json()["error"]["message"]
+            assert "--max-grammar-compile-seconds" in r.json()["error"]["message"]
+        # The pattern whose compile ran past the bound is refused at once when sent again (the
+        # others never started: they waited behind it, and may be tried again).
+        del answers[:], took[:]
+        again = [threading.Thread(target=guided, args=(rx,)) for rx in dict.fromkeys(regexes)]
+        for t in again:
+            t.start()
+        for t in again:
+            t.join(60)
+        assert all(r.status_code == 400 for r in answers) and min(took) < bound / 2, took
+
+
+def test_identical_grammars_compiling_at_once_compile_once(embedded_dir):
+    from ferry.core.sampling_params import StructuredOutputs
+    from ferry.executor.structured import GrammarCompiler
+    from ferry.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(embedded_dir)
+    g = GrammarCompiler(tok, 49152, [tok.eos_token_id], max_compile_seconds=60)
+    spec = {"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(300)]}}, "required": ["a"]}
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(g.compile(StructuredOutputs(json=spec))))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 6 and all(c is got[0] for c in got)
+    assert g.num_compiles == 1
+    g.close()
