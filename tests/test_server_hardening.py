@@ -211,7 +211,7 @@ def test_grammar_compiles_never_delay_requests_without_one():
             took.append(time.perf_counter() - t)
 
         # Four different slow patterns and four identical ones, sent at once.
-        regexes = [slow_regex(4000 + i) for i in range(4)] + [slow_regex(5000)] * 4
+        regexes = [slow_regex(8000 + i) for i in range(4)] + [slow_regex(9000)] * 4
         threads = [threading.Thread(target=guided, args=(rx,)) for rx in regexes]
         for t in threads:
             t.start()
