@@ -121,6 +121,8 @@ class EngineConfig:
     distributed_timeout_seconds: float = 300.0
     num_threads: int | None = None  # None: torch's default (with tensor parallelism: the cores / ranks)
     cache_dir: str | None = None  # where converted GGUF models are kept
+    # Structured outputs: a grammar that takes longer to compile is refused (a 400 naming the field).
+    max_grammar_compile_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -147,6 +149,7 @@ class EngineConfig:
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "an integer >= 1")
         check(self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "> 0")
+        check(0 < self.max_grammar_compile_seconds < float("inf"), "max_grammar_compile_seconds", "> 0")
         self._check_policies(check)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

@@ -5,6 +5,9 @@ import json as _json  # a StructuredOutputs field is called json
 import math
 from dataclasses import dataclass, field, replace
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by a
+# smaller one can overflow to inf (1e-39, 1e-45 and 1e-300 did: every token was then id 0).
+MIN_TEMPERATURE = 1e-5
 # vLLM takes a seed as a signed 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -67,7 +70,8 @@ class StructuredOutputs:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    Names and meanings follow vLLM. ``temperature == 0`` is greedy decoding.
+    Names and meanings follow vLLM. ``temperature`` below ``MIN_TEMPERATURE`` (0 included) is
+    greedy decoding.
     ``max_tokens=None`` means "until max_model_len".
     """
 
@@ -162,7 +166,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

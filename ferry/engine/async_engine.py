@@ -236,7 +236,21 @@ class AsyncEngine:
         so a large prompt never holds up the step loop."""
         if self.error is not None:
             raise EngineDead(f"the engine stopped: {self.error}")
+        await self._grammars_compiled(subs)
         return await asyncio.to_thread(self._submit, subs)
+
+    async def _grammars_compiled(self, subs: list[SubRequest]) -> None:
+        """Wait for the grammars of these requests to compile, on the compiler's own thread: no
+        worker thread is held meanwhile, so requests without one are never queued behind it."""
+        grammars = getattr(self.engine.executor, "grammars", None)
+        if grammars is None:
+            return
+        from ferry.executor.structured import await_compiled
+
+        specs = {id(s.params.structured_outputs): s.params.structured_outputs for s in subs}
+        for spec in specs.values():
+            if spec is not None:
+                await await_compiled(grammars, spec)
 
     def _submit(self, subs: list[SubRequest]) -> Stream:
         if self.draining:

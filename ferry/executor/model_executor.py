@@ -138,7 +138,8 @@ class ModelExecutor:
             cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         # Builds nothing until a request asks for structured outputs.
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        max_compile_seconds=config.max_grammar_compile_seconds)
         self.sampler = Sampler(config.seed, grammars=self.grammars, device=self.device)
         self.states = RequestStates()
         self.tick: Callable[[str], None] = no_tick

@@ -194,25 +194,36 @@ def verify(drafts: list[int], sampled: list[int]) -> list[int]:
     return sampled[:len(drafts) + 1]
 
 
+# Prompt rows scored at once: a log-softmax is never materialised for more than this many rows
+# (a 2,048-token chunk would be 2,048 x vocab floats again, on top of its logits).
+PROMPT_LOGPROB_BLOCK = 64
+
+
 def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[CachedRequest, int, int]]
                     ) -> dict[str, tuple[int, list[dict[int, float]]]]:
     """Logprobs of prompt tokens from the rows that precede them (``spans`` as in PackedBatch):
-    each token's own logprob plus the top ``prompt_logprobs`` alternatives."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    each token's own logprob plus the top ``prompt_logprobs`` alternatives. Computed
+    ``PROMPT_LOGPROB_BLOCK`` rows at a time as logit - logsumexp(row): only the rows' own and
+    top-k values are kept, never a log-softmax of the whole chunk."""
     out: dict[str, tuple[int, list[dict[int, float]]]] = {}
     row = 0
     for req, first, n in spans:
-        targets = req.prompt_token_ids[first:first + n]
-        rows = lp[row:row + n]
-        own = rows.gather(1, torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None])[:, 0].tolist()
+        targets = torch.tensor(req.prompt_token_ids[first:first + n], dtype=torch.long, device=logits.device)
         k = req.sampling_params.prompt_logprobs
-        top = rows.topk(k, dim=-1) if k else None
-        entries = []
-        for i, (tid, v) in enumerate(zip(targets, own)):
-            entry = {tid: v}
-            if top is not None:
-                entry.update(zip(top.indices[i].tolist(), top.values[i].tolist()))
-            entries.append(entry)
+        entries: list[dict[int, float]] = []
+        for lo in range(0, n, PROMPT_LOGPROB_BLOCK):
+            block = logits[row + lo:row + min(n, lo + PROMPT_LOGPROB_BLOCK)].float()
+            lse = torch.logsumexp(block, dim=-1, keepdim=True)
+            tids = targets[lo:lo + block.shape[0]]
+            own = (block.gather(1, tids[:, None]) - lse)[:, 0].tolist()
+            top = block.topk(k, dim=-1) if k else None
+            top_ids = top.indices.tolist() if top is not None else None
+            top_vals = (top.values - lse).tolist() if top is not None else None
+            for i, (tid, v) in enumerate(zip(tids.tolist(), own)):
+                entry = {tid: v}
+                if top_ids is not None:
+                    entry.update(zip(top_ids[i], top_vals[i]))
+                entries.append(entry)
         out[req.request_id] = (first, entries)
         row += n
     return out

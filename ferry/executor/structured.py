@@ -17,6 +17,9 @@ import json
 import re
 import threading
 from collections import OrderedDict
+import queue
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -31,6 +34,11 @@ if TYPE_CHECKING:
 # Compiled grammars kept. A JSON schema compiles in ~65 ms here: a client that sends the same few
 # schemas over and over pays that once; one that sends a new schema each time cannot grow memory.
 GRAMMAR_CACHE_SIZE = 32
+# A grammar that takes longer to compile is refused (--max-grammar-compile-seconds): a regex such
+# as [^x]{0,5000}[0-9]{0,5000} is a few bytes and takes seconds.
+DEFAULT_MAX_COMPILE_SECONDS = 10.0
+# Specs that went over the bound, remembered so that sending one again is refused at once.
+SLOW_SPECS_KEPT = 256
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -111,28 +119,35 @@ class RequestGrammar:
 class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer; the one place xgrammar is set up.
 
-    Nothing is built until the first spec arrives, so an engine that never sees one pays
-    nothing at start-up. Safe to call from the request thread and the step thread at once.
+    Compiles run on one worker thread of their own (xgrammar releases the GIL), never on the step
+    loop nor the server's thread pool, so a slow grammar costs at most that one thread: requests
+    without a grammar are not held up, and a request waits only for its own grammar. A spec that
+    is compiling already is not compiled again: its requests share the one compile. One that takes
+    over ``max_compile_seconds`` is refused (ValueError naming the field), and so is the same spec
+    sent again. Nothing is built until the first spec arrives, so an engine that never sees one
+    pays nothing at start-up. Safe to call from any thread.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+                 cache_size: int = GRAMMAR_CACHE_SIZE,
+                 max_compile_seconds: float = DEFAULT_MAX_COMPILE_SECONDS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.cache_size = cache_size
+        self.max_compile_seconds = max_compile_seconds
         self._compiler: "xgr.GrammarCompiler | None" = None
         self._cache: OrderedDict[tuple[str, str], "xgr.CompiledGrammar"] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future] = {}  # compiling now (or queued)
+        self._slow: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._jobs: "queue.SimpleQueue[tuple[Future, str, str]] | None" = None
         self._lock = threading.Lock()
+        self.num_compiles = 0  # compiles started (cache misses that were not already compiling)
 
     def _build(self) -> "xgr.GrammarCompiler":
         with TRANSFORMERS_LOCK:  # xgrammar imports transformers
             import xgrammar as xgr
 
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
-        if not self.stop_token_ids:
-            raise ValueError("structured_outputs needs an end-of-sequence token, and this model has none")
         fast = self.tokenizer._fast  # ferry's Tokenizer wraps a `tokenizers.Tokenizer`
         vocab = [""] * self.vocab_size
         for text, i in fast.get_vocab(with_added_tokens=True).items():
@@ -147,24 +162,15 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
                                  stop_token_ids=list(self.stop_token_ids),
                                  add_prefix_space=meta["add_prefix_space"])
-        # xgrammar's own cache has no size limit by default: ours (an LRU) replaces it.
-        return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        # xgrammar's own cache has no size limit by default: ours (an LRU) replaces it. One thread:
+        # compiles take at most one core from the steps.
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
-    def compile(self, spec: StructuredOutputs) -> "xgr.CompiledGrammar":
-        """The compiled grammar of ``spec`` (from the cache when it was seen lately).
-
-        Raises ValueError naming the field when the schema, regex or grammar is invalid."""
-        kind, text = _key(spec)
-        with self._lock:
-            hit = self._cache.get((kind, text))
-            if hit is not None:
-                self._cache.move_to_end((kind, text))
-                return hit
-            if self._compiler is None:
-                self._compiler = self._build()
-            c = self._compiler
-        # Outside the lock: the step thread's cache hits need not wait for a server thread's
-        # compile (two threads compiling one new spec at once only do the work twice).
+    def _compile_now(self, kind: str, text: str) -> "xgr.CompiledGrammar":
+        """On the compile thread: compile one spec and cache it."""
+        if self._compiler is None:
+            self._compiler = self._build()
+        c = self._compiler
         try:
             if kind in ("json", "json_object"):
                 # No free whitespace: a sampled run of spaces or newlines could then never end.
@@ -184,6 +190,82 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
+    def _too_slow(self, kind: str) -> ValueError:
+        return ValueError(f"structured_outputs.{kind}: the grammar did not compile within "
+                          f"{self.max_compile_seconds:g} s (--max-grammar-compile-seconds); "
+                          f"send a simpler one")
+
+    def compile_future(self, spec: StructuredOutputs) -> Future:
+        """A future of the compiled grammar of ``spec``: done at once from the cache, else the
+        one compile of that spec (started now, or already under way for another request).
+
+        Raises ValueError at once for a spec that went over the time bound before."""
+        key = _key(spec)
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+        if not self.stop_token_ids:
+            raise ValueError("structured_outputs needs an end-of-sequence token, and this model has none")
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(hit)
+                return done
+            if key in self._slow:
+                raise self._too_slow(key[0])
+            f = self._pending.get(key)
+            if f is None:
+                if self._jobs is None:
+                    self._jobs = queue.SimpleQueue()
+                    # A daemon: a pathological compile under way never holds up the process' exit.
+                    threading.Thread(target=self._work, args=(self._jobs,), name="ferry-grammar",
+                                     daemon=True).start()
+                f = self._pending[key] = Future()
+                self._jobs.put((f, *key))
+                self.num_compiles += 1
+                f.add_done_callback(lambda done, key=key: self._settled(key, done))
+        return f
+
+    def _work(self, jobs: "queue.SimpleQueue[tuple[Future, str, str] | None]") -> None:
+        """The compile thread: one spec at a time, in the order they came."""
+        while (job := jobs.get()) is not None:
+            f, kind, text = job
+            if not f.set_running_or_notify_cancel():
+                continue  # dropped while queued (its waiters ran out of time)
+            try:
+                f.set_result(self._compile_now(kind, text))
+            except BaseException as e:  # handed to the waiters
+                f.set_exception(e)
+
+    def _settled(self, key: tuple[str, str], f: Future) -> None:
+        with self._lock:
+            if self._pending.get(key) is f:
+                del self._pending[key]
+
+    def timed_out(self, spec: StructuredOutputs, f: Future) -> ValueError:
+        """The error for a wait on ``f`` that ran past the bound. A compile still queued is
+        dropped; one that ran past the bound is remembered, so the spec is refused at once next
+        time (a running compile cannot be stopped: it finishes on the compile thread)."""
+        key = _key(spec)
+        if not f.cancel():
+            with self._lock:
+                self._slow[key] = None
+                while len(self._slow) > SLOW_SPECS_KEPT:
+                    self._slow.popitem(last=False)
+        return self._too_slow(key[0])
+
+    def compile(self, spec: StructuredOutputs) -> "xgr.CompiledGrammar":
+        """The compiled grammar of ``spec`` (from the cache when it was seen lately), waiting at
+        most ``max_compile_seconds``.
+
+        Raises ValueError naming the field when the schema, regex or grammar is invalid or too slow."""
+        f = self.compile_future(spec)
+        try:
+            return f.result(timeout=self.max_compile_seconds)
+        except (FutureTimeout, CancelledError):
+            raise self.timed_out(spec, f) from None
+
     def validate(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` (caching it for the request) or raise ValueError naming the field."""
         self.compile(spec)
@@ -191,6 +273,31 @@ class GrammarCompiler:
     def new_request(self, spec: StructuredOutputs) -> RequestGrammar:
         """A fresh matcher for one request, at the start of the grammar."""
         return RequestGrammar(self.compile(spec), self.vocab_size, self.stop_token_ids)
+
+    def close(self) -> None:
+        """Stop the compile thread (a compile under way finishes first, in the background)."""
+        if self._jobs is not None:
+            self._jobs.put(None)  # type: ignore[arg-type]
+
+
+async def await_compiled(grammars: GrammarCompiler, spec: StructuredOutputs) -> None:
+    """Wait, without holding a thread, until ``spec`` is compiled (and cached); raise ValueError
+    naming the field when it is invalid or takes over the bound. Leaving early (a client's
+    disconnect) does not cancel the compile that other requests may share."""
+    import asyncio
+
+    f = grammars.compile_future(spec)
+    if f.done() and not f.cancelled():
+        f.result()
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(f)), grammars.max_compile_seconds)
+    except asyncio.TimeoutError:
+        raise grammars.timed_out(spec, f) from None
+    except asyncio.CancelledError:
+        if f.cancelled():  # another waiter's timeout dropped the queued compile
+            raise grammars.timed_out(spec, f) from None
+        raise
 
 
 def _key(spec: StructuredOutputs) -> tuple[str, str]:

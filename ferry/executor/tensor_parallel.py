@@ -77,7 +77,8 @@ class TensorParallelExecutor:
         self.tokenizer = setup.tokenizer
         self.eos_token_ids = setup.eos_token_ids
         self.block_size = config.block_size
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        max_compile_seconds=config.max_grammar_compile_seconds)
         self.timeout = config.distributed_timeout_seconds
         self._pending: dict[str, list[int]] = {}  # rank 0's tokens the other ranks have not seen
         self.dead: str | None = None

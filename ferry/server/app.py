@@ -66,6 +66,9 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
     async def health() -> Response:
         if engine.error is not None:
             return error_response(APIError(503, f"engine stopped: {engine.error}", "server_error"))
+        if engine.draining:  # shutting down: a load balancer should send new traffic elsewhere
+            return error_response(APIError(503, "the server is shutting down (draining)", "server_error",
+                                           code="draining"))
         return Response(status_code=200)
 
     @app.post("/reset_prefix_cache")

@@ -6,6 +6,7 @@ whose client has left would run to its end.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -26,6 +27,13 @@ PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json", "/reset_prefix_cache", "
 # The one route that also takes the key as ``?key=KEY``: a browser opening a link sends no header.
 # Its data (/dashboard/state) still needs the header, which the page sends.
 KEY_IN_QUERY = "/dashboard"
+
+# Draining a refused body (a client that sends it whole before reading, e.g. urllib, httpx, the
+# openai SDK, would otherwise see a reset instead of the 413): at most this much, for this long.
+DRAIN_BYTES = 64 * 2**20
+DRAIN_SECONDS = 5.0
+# HTTP versions a request line may name; anything else is a 505.
+HTTP_VERSIONS = ("1.0", "1.1", "2", "2.0", "3")
 
 # What a browser gets at /dashboard without the key: a form that reopens it with ?key=.
 _KEY_FORM = b"""<!doctype html><meta charset="utf-8"><title>ferry dashboard</title>
@@ -50,8 +58,39 @@ async def send_page(send: Send, status: int, html: bytes) -> None:
     await send({"type": "http.response.body", "body": html})
 
 
+def strip_query_key(scope: Scope) -> str | None:
+    """Take ``key=`` out of the query string of any request, in place, so neither the app nor
+    the access log (uvicorn logs this same scope) ever sees it. Returns the key (the last one)."""
+    query = scope.get("query_string", b"")
+    if b"key" not in query:
+        return None
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    keys = [v for k, v in pairs if k == "key"]
+    if keys:
+        scope["query_string"] = urlencode([(k, v) for k, v in pairs if k != "key"]).encode()
+    return keys[-1] if keys else None
+
+
+async def drain(receive: Receive) -> None:
+    """Read and drop a request's body, up to ``DRAIN_BYTES`` for ``DRAIN_SECONDS``, so that a
+    client still sending it can read the answer before the connection closes."""
+    async def read() -> None:
+        seen = 0
+        while seen <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            seen += len(message.get("body", b""))
+
+    try:
+        await asyncio.wait_for(read(), DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        pass
+
+
 class Guard:
-    """Refuses requests without the API key (401) and bodies over ``max_request_bytes`` (413).
+    """Refuses requests without the API key (401), bodies over ``max_request_bytes`` (413, then
+    the connection closes) and HTTP versions other than 1.x (505); answers HEAD wherever GET is.
 
     The key is ``Authorization: Bearer KEY``, or ``?key=KEY`` on ``GET /dashboard`` only (the
     page then sends the header on its own requests); without it that page is a key form."""
@@ -66,24 +105,22 @@ class Guard:
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key or b"")
 
-    def query_key_ok(self, scope: Scope) -> bool:
-        """Whether this is ``GET /dashboard?key=KEY`` with the right key. The key is taken out of
-        the query string either way, so neither the app nor the access log (uvicorn logs this
-        same scope) ever sees it."""
-        if scope["method"] != "GET" or scope["path"] != KEY_IN_QUERY:
+    def query_key_ok(self, scope: Scope, key: str | None) -> bool:
+        """Whether this is ``GET /dashboard?key=KEY`` with the right key."""
+        if key is None or scope["method"] != "GET" or scope["path"] != KEY_IN_QUERY:
             return False
-        pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-        keys = [v for k, v in pairs if k == "key"]
-        if not keys:
-            return False
-        scope["query_string"] = urlencode([(k, v) for k, v in pairs if k != "key"]).encode()
-        return hmac.compare_digest(keys[-1].encode(), self.api_key or b"")
+        return hmac.compare_digest(key.encode(), self.api_key or b"")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        key = strip_query_key(scope)
+        if scope.get("http_version", "1.1") not in HTTP_VERSIONS:
+            return await send_error(send, 505, f"HTTP version {scope['http_version']} is not supported "
+                                    f"(HTTP/1.0 and HTTP/1.1 are)", "invalid_request_error",
+                                    headers={"Connection": "close"})
         headers = dict(scope["headers"])
-        if (self.api_key and scope["path"].startswith(PROTECTED) and not self.query_key_ok(scope)
+        if (self.api_key and scope["path"].startswith(PROTECTED) and not self.query_key_ok(scope, key)
                 and not self.authorized(headers)):
             if scope["method"] == "GET" and scope["path"] == KEY_IN_QUERY:
                 return await send_page(send, 401, _KEY_FORM)
@@ -93,9 +130,15 @@ class Guard:
         limit = self.max_request_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
+            if headers.get(b"expect", b"").lower() != b"100-continue":
+                await drain(receive)  # a client that asked first has sent nothing: nothing to drain
             return await send_error(send, 413, f"request body of {int(length)} bytes is over the limit of "
                                     f"{limit} bytes (--max-request-bytes)", "invalid_request_error",
-                                    "request_too_large")
+                                    "request_too_large", {"Connection": "close"})
+        if scope["method"] == "HEAD":
+            # HEAD wherever GET is: the app answers a GET, and uvicorn (reading its own scope,
+            # still HEAD) sends the headers without the body.
+            scope = {**scope, "method": "GET"}
         seen = 0
 
         async def counted() -> Message:  # a body without Content-Length is counted as it comes
