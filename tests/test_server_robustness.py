@@ -253,3 +253,13 @@ def test_an_unexpected_error_is_a_json_500_and_the_server_goes_on(llm):
             assert_error(bad, 500, None, "internal error: RuntimeError")
             ok = client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(guarded):
+    import anthropic
+
+    good = anthropic.Anthropic(base_url=guarded, api_key=KEY, max_retries=0)
+    assert good.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+    bad = anthropic.Anthropic(base_url=guarded, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])

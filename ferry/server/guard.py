@@ -92,7 +92,7 @@ class Guard:
     """Refuses requests without the API key (401), bodies over ``max_request_bytes`` (413, then
     the connection closes) and HTTP versions other than 1.x (505); answers HEAD wherever GET is.
 
-    The key is ``Authorization: Bearer KEY``, or ``?key=KEY`` on ``GET /dashboard`` only (the
+    The key is ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send it), or ``?key=KEY`` on ``GET /dashboard`` only (the
     page then sends the header on its own requests); without it that page is a key form."""
 
     def __init__(self, app: Callable, api_key: str | None, max_request_bytes: int) -> None:
@@ -101,6 +101,9 @@ class Guard:
         self.max_request_bytes = max_request_bytes
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        # Anthropic's clients (Claude Code, the anthropic SDK) send the key as x-api-key.
+        if b"x-api-key" in headers:
+            return hmac.compare_digest(headers[b"x-api-key"].strip(), self.api_key or b"")
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key or b"")
