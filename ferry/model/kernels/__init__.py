@@ -25,12 +25,15 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
                                                  "quant_dequant.c", "quant_q8.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "f32_rows.h", "quant_types.h")]
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp"]
+# FERRY_KERNEL_ARCH picks the target (e.g. "haswell": AVX2+FMA, no AVX-512), to build and measure
+# what most users' CPUs run on a machine that has more.
+ARCH = f"-march={os.environ.get('FERRY_KERNEL_ARCH', 'native')}"
+COMPILE_FLAGS = ["-O3", ARCH, "-ffast-math", "-fPIC", "-fopenmp"]
 # Dequantization must be the gguf library's float32 arithmetic bit for bit: no fast math, no fused
 # multiply-adds.
 # The q8 kernels: a baseline x86-64 build whose variants each enable their own instructions
 # (target attributes), so the AVX2 one runs on AVX2-only CPUs; one float order for all variants.
-EXACT_FLAGS = {"quant_dequant.c": ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fPIC"],
+EXACT_FLAGS = {"quant_dequant.c": ["-O3", ARCH, "-fno-fast-math", "-ffp-contract=off", "-fPIC"],
                "quant_q8.c": ["-O3", "-march=x86-64-v2", "-mtune=native", "-fno-fast-math", "-ffp-contract=off",
                               "-fPIC", "-fopenmp"]}
 
