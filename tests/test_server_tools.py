@@ -168,6 +168,10 @@ WEATHER_ANT = {"name": "get_weather", "description": "The weather in a city",
                "input_schema": WEATHER["function"]["parameters"]}
 
 
+# Anthropic's SDK 2.x dropped `temperature` from its signature; the body field still reaches the server.
+GREEDY = {"temperature": 0}
+
+
 @pytest.fixture(scope="module")
 def ant(url):
     import anthropic
@@ -176,7 +180,7 @@ def ant(url):
 
 
 def test_anthropic_messages_create_and_count_tokens(ant):
-    r = ant.messages.create(model=MODEL, max_tokens=12, system="Answer briefly.", temperature=0,
+    r = ant.messages.create(model=MODEL, max_tokens=12, system="Answer briefly.", extra_body=GREEDY,
                             messages=[{"role": "user", "content": "Name a colour."}])
     assert r.type == "message" and r.role == "assistant" and r.content[0].type == "text" and r.content[0].text
     assert r.stop_reason in ("end_turn", "max_tokens") and r.usage.output_tokens <= 12
@@ -186,7 +190,7 @@ def test_anthropic_messages_create_and_count_tokens(ant):
 
 
 def test_anthropic_stop_sequences(ant):
-    ask = dict(model=MODEL, max_tokens=16, temperature=0, messages=[{"role": "user", "content": "Tell me about Paris."}])
+    ask = dict(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=[{"role": "user", "content": "Tell me about Paris."}])
     free = ant.messages.create(**ask).content[0].text
     word = free.split()[3]  # greedy, so the same text comes again: stop at its fourth word
     r = ant.messages.create(**ask, stop_sequences=[word])
@@ -195,7 +199,7 @@ def test_anthropic_stop_sequences(ant):
 
 
 def test_anthropic_stream_event_sequence(ant):
-    with ant.messages.stream(model=MODEL, max_tokens=10, temperature=0,
+    with ant.messages.stream(model=MODEL, max_tokens=10, extra_body=GREEDY,
                              messages=[{"role": "user", "content": "Name a colour."}]) as s:
         kinds = [e.type for e in s]
         final = s.get_final_message()
@@ -206,12 +210,12 @@ def test_anthropic_stream_event_sequence(ant):
 
 def test_anthropic_tool_use_with_any_and_a_result_back(ant):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = ant.messages.create(model=MODEL, max_tokens=60, temperature=0, tools=[WEATHER_ANT],
+    r = ant.messages.create(model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[WEATHER_ANT],
                             tool_choice={"type": "any"}, messages=ask)
     assert r.stop_reason == "tool_use"
     use = next(b for b in r.content if b.type == "tool_use")
     assert use.name == "get_weather" and use.id.startswith("toolu_") and use.input["city"]
-    with ant.messages.stream(model=MODEL, max_tokens=60, temperature=0, tools=[WEATHER_ANT],
+    with ant.messages.stream(model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[WEATHER_ANT],
                              tool_choice={"type": "tool", "name": "get_weather"}, messages=ask) as s:
         final = s.get_final_message()
     streamed = next(b for b in final.content if b.type == "tool_use")
@@ -219,7 +223,7 @@ def test_anthropic_tool_use_with_any_and_a_result_back(ant):
     back = ask + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                 "content": "18 degrees and sunny"}]}]
-    after = ant.messages.create(model=MODEL, max_tokens=20, temperature=0, tools=[WEATHER_ANT],
+    after = ant.messages.create(model=MODEL, max_tokens=20, extra_body=GREEDY, tools=[WEATHER_ANT],
                                 tool_choice={"type": "none"}, messages=back)
     assert after.content and after.content[0].type == "text"
     assert ant.messages.count_tokens(model=MODEL, messages=back, tools=[WEATHER_ANT]).input_tokens > \
