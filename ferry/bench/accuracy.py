@@ -1,8 +1,10 @@
 """``ferry bench accuracy``: what a faster setting costs in accuracy, against the exact engine.
 
-Both engines score the same fixed texts (prompt logprobs, one pass): at every position, does the
-most likely next token agree (top-1 agreement), and by how much does the logprob of the actual
-next token differ (mean and max absolute difference, in nats)?
+Both engines score the same fixed texts (prompt logprobs): at every position, does the most likely
+next token agree (top-1 agreement), and by how much does the logprob of the actual next token
+differ (mean and max absolute difference, in nats)? The texts go in prefill chunks of at most
+KERNEL_ROWS tokens, the products' decode-sized regime, where q8 activations act (larger products
+dequantize and use BLAS in either mode).
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ def run_accuracy(config: EngineConfig) -> dict[str, Any]:
     (bit for bit the dequantized float32 model) where the model is a GGUF."""
     from ferry import LLM
 
+    from ferry.model.quant import KERNEL_ROWS
+
+    config = replace(config, max_num_batched_tokens=min(config.max_num_batched_tokens, KERNEL_ROWS))
     exact_cfg = replace(config, fp32_matmul_precision="ieee", dtype="float32", quantization=None,
                         quant_activations="exact")
     exact, other = LLM(**vars(exact_cfg)), LLM(**vars(config))

@@ -83,7 +83,9 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, int]
     # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
-    # per block of 32 to int8 and integer dot products (quant_q8.c), at every number of rows.
+    # per block of 32 to int8 and integer dot products (quant_q8.c) in the kernel's products (up
+    # to KERNEL_ROWS rows in quant_linear, every decode step of the fused decode); larger products
+    # (prefill chunks) take dequantize-then-BLAS in both modes, the faster measured there.
     activations: str = "exact"
 
     @property
@@ -125,7 +127,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     x = x.contiguous()
     m, (n, k) = x.shape[0], w.shape
     lib = _kernels()
-    if m <= KERNEL_ROWS or w.activations == "q8":
+    if m <= KERNEL_ROWS:
         y = torch.empty(m, n, dtype=torch.float32)
         lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
         return y

@@ -1,14 +1,17 @@
 /* q8 activation mode: y[M, N] = x[M, K] @ w[N, K]^T with x quantized per block of 32 to int8
  * (scale amax / 127, rounded to nearest, as llama.cpp's q8_0) and integer dot products.
  *
- * Each weight row is unpacked once into int8 levels q plus, per 16 weights, a float scale a and
- * offset b (w = a * q + b: Q4_1's m, the K-quants' -dmin * min), so one 16-group contributes
- * dx * (a * sum(q * qx) + b * sum(qx)). Only sum(q * qx) runs per instruction set: portable C,
- * AVX2 (maddubs + madd), AVX-512BW (the same on 64 bytes), AVX-VNNI / AVX-512-VNNI (dpbusd); they
- * give the same int32 sums, and the float combination is one shared scalar loop, so every variant
- * returns the portable one's bits. The variant is picked at first use from the CPU's features
- * (quant_q8_isa overrides it). This file is built for plain x86-64-v2 with each variant's
- * instructions enabled by target attributes, so the AVX2 variant holds no AVX-512 instruction.
+ * Each weight block is unpacked into int8 levels q (in an L1 buffer) plus, per 16 weights, a float
+ * scale a and offset b (w = a * q + b: Q4_1's m, the K-quants' -dmin * min), so a 16-group adds
+ * dx * a * sum(q * qx) + b * dx * sum(qx). The integer sums run per instruction set: portable C,
+ * AVX2 (maddubs + madd), AVX-512BW (the same code with AVX-512's encodings and registers),
+ * AVX-VNNI / AVX-512-VNNI (dpbusd); each gives, per 32 weights, eight int32 sums of 4 products,
+ * which are scaled and added in eight float lanes in the order the portable code spells out lane
+ * by lane (the offsets in one scalar sum), so every variant returns the portable one's bits. With
+ * AVX2 the common types' blocks are unpacked with vector instructions too. The variant is picked
+ * at first use from the CPU's features (quant_q8_isa overrides it). This file is built for plain
+ * x86-64-v2 with each variant's instructions enabled by target attributes, so the AVX2 variant
+ * holds no AVX-512 instruction.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -18,93 +21,21 @@
 
 #include "quant_types.h"
 
-/* s[g] = sum of the 16 products of group g, for n32 blocks of 32 (2 groups each). */
-typedef void (*dots_fn)(const int8_t *w, const int8_t *x, int64_t n32, int32_t *s);
-
-static void dots_portable(const int8_t *w, const int8_t *x, int64_t n32, int32_t *s) {
-    for (int64_t g = 0; g < 2 * n32; g++) {
-        int32_t acc = 0;
-        for (int i = 0; i < 16; i++) acc += (int32_t)w[g * 16 + i] * x[g * 16 + i];
-        s[g] = acc;
-    }
-}
-
-/* 8 int32 (4 per 16-group) -> the two group sums. */
-__attribute__((target("avx2"))) static inline void store_pairs(__m256i p, int32_t *s) {
-    __m256i h = _mm256_hadd_epi32(p, p);
-    h = _mm256_hadd_epi32(h, h);
-    s[0] = _mm256_extract_epi32(h, 0);
-    s[1] = _mm256_extract_epi32(h, 4);
-}
-
-/* maddubs multiplies unsigned by signed bytes: |w| times x with w's sign (at most 2 * 128 * 127
- * per int16 pair, no saturation). */
-__attribute__((target("avx2"))) static void dots_avx2(const int8_t *w, const int8_t *x, int64_t n32, int32_t *s) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t i = 0; i < n32; i++) {
-        const __m256i vw = _mm256_loadu_si256((const __m256i *)(w + 32 * i));
-        const __m256i vx = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
-        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw));
-        store_pairs(_mm256_madd_epi16(p, ones), s + 2 * i);
-    }
-}
-
-__attribute__((target("avx512f,avx512bw"))) static void dots_avx512bw(const int8_t *w, const int8_t *x, int64_t n32,
-                                                                       int32_t *s) {
-    const __m512i ones = _mm512_set1_epi16(1);
-    int64_t i = 0;
-    for (; i + 2 <= n32; i += 2) {
-        const __m512i vw = _mm512_loadu_si512(w + 32 * i), vx = _mm512_loadu_si512(x + 32 * i);
-        const __m512i aw = _mm512_abs_epi8(vw);
-        /* x with w's sign: negate where w < 0, zero where w == 0 */
-        const __mmask64 neg = _mm512_movepi8_mask(vw), zero = _mm512_testn_epi8_mask(vw, vw);
-        __m512i sx = _mm512_mask_sub_epi8(vx, neg, _mm512_setzero_si512(), vx);
-        sx = _mm512_maskz_mov_epi8(~zero, sx);
-        const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sx), ones);
-        int32_t t[16];
-        _mm512_storeu_si512(t, p);
-        for (int g = 0; g < 4; g++) s[2 * i + g] = t[4 * g] + t[4 * g + 1] + t[4 * g + 2] + t[4 * g + 3];
-    }
-    if (i < n32) dots_portable(w + 32 * i, x + 32 * i, n32 - i, s + 2 * i);
-}
-
-/* dpbusd: 4 unsigned-by-signed byte products added into each int32, no saturation. */
-__attribute__((target("avx2,avxvnni"))) static void dots_avxvnni(const int8_t *w, const int8_t *x, int64_t n32,
-                                                                  int32_t *s) {
-    for (int64_t i = 0; i < n32; i++) {
-        const __m256i vw = _mm256_loadu_si256((const __m256i *)(w + 32 * i));
-        const __m256i vx = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
-        const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(vw, vw),
-                                                  _mm256_sign_epi8(vx, vw));
-        store_pairs(p, s + 2 * i);
-    }
-}
-
-__attribute__((target("avx2,avx512f,avx512vl,avx512vnni"))) static void dots_avx512vnni(
-        const int8_t *w, const int8_t *x, int64_t n32, int32_t *s) {
-    for (int64_t i = 0; i < n32; i++) {
-        const __m256i vw = _mm256_loadu_si256((const __m256i *)(w + 32 * i));
-        const __m256i vx = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
-        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(vw, vw),
-                                              _mm256_sign_epi8(vx, vw));
-        store_pairs(p, s + 2 * i);
-    }
-}
-
 /* Variant ids, in the order quant_q8_isa names them. */
 enum { ISA_PORTABLE, ISA_AVX2, ISA_AVX512BW, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
-static const dots_fn DOTS[ISA_COUNT] = {dots_portable, dots_avx2, dots_avx512bw, dots_avxvnni, dots_avx512vnni};
 
 static int isa_supported(int64_t isa) {
     __builtin_cpu_init();
+    /* Every vector variant uses AVX2, FMA and F16C (all AVX2 CPUs have the other two). */
+    const int base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const int avx512 = base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl");
     switch (isa) {
         case ISA_PORTABLE: return 1;
-        case ISA_AVX2: return __builtin_cpu_supports("avx2");
-        case ISA_AVX512BW: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-        case ISA_AVXVNNI: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
-        case ISA_AVX512VNNI:
-            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512vnni");
+        case ISA_AVX2: return base;
+        case ISA_AVX512BW: return avx512;
+        case ISA_AVXVNNI: return base && __builtin_cpu_supports("avxvnni");
+        case ISA_AVX512VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
         default: return 0;
     }
 }
@@ -236,52 +167,432 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
     }
 }
 
-/* One row of K activations -> int8 q, a scale per 32 and the level sum per 16. */
-void quant_q8_activations(const float *x, int64_t K, int8_t *q, float *d, int32_t *sums) {
-    for (int64_t blk = 0; blk < K / 32; blk++) {
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[blk * 32 + i]));
-        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
-        d[blk] = dd;
-        for (int h = 0; h < 2; h++) {
-            int32_t s = 0;
-            for (int i = 16 * h; i < 16 * h + 16; i++) {
-                const int v = (int)roundf(x[blk * 32 + i] * id);
-                q[blk * 32 + i] = (int8_t)v;
-                s += v;
+/* The types whose weights carry an offset b (w = a * q + b). */
+static int has_offset(int64_t type) {
+    return type == QT_Q4_1 || type == QT_Q5_1 || type == QT_Q2_K || type == QT_Q4_K || type == QT_Q5_K;
+}
+
+/* With AVX2, the common types' levels are unpacked 16 or 32 bytes at a time; the levels are
+ * integers, so they equal unpack_block's. Returns 0 for a type left to unpack_block. */
+/* Every AVX2 CPU has F16C: one instruction per float16 scale (qt_f16's portable form is a loop). */
+__attribute__((target("f16c"))) static inline float f16(const uint8_t *p) {
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline int unpack_block_avx2(const uint8_t *bl, int64_t type, int8_t *q, float *a,
+                                                              float *b) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (type) {
+        case QT_Q4_0: case QT_Q4_1: case QT_IQ4_NL: {
+            const int one = type == QT_Q4_1;
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(bl + (one ? 4 : 2)));
+            __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            if (type == QT_IQ4_NL) {
+                const __m128i t = _mm_loadu_si128((const __m128i *)KVALUES_IQ4);
+                lo = _mm_shuffle_epi8(t, lo);
+                hi = _mm_shuffle_epi8(t, hi);
+            } else if (type == QT_Q4_0) {
+                lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+                hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
             }
-            sums[2 * blk + h] = s;
+            _mm_storeu_si128((__m128i *)q, lo);
+            _mm_storeu_si128((__m128i *)(q + 16), hi);
+            a[0] = a[1] = f16(bl);
+            b[0] = b[1] = one ? f16(bl + 2) : 0.f;
+            return 1;
+        }
+        case QT_Q8_0:
+            memcpy(q, bl + 2, 32);
+            a[0] = a[1] = f16(bl);
+            b[0] = b[1] = 0.f;
+            return 1;
+        case QT_Q4_K: {
+            const __m256i m = _mm256_set1_epi8(15);
+            const float d = f16(bl), dmin = f16(bl + 2);
+            const uint8_t *s = bl + 4;
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
+                else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30); mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
+                a[2 * j] = a[2 * j + 1] = d * (float)sc;
+                b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
+            }
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(bl + 16 + (j / 2) * 32));
+                _mm256_storeu_si256((__m256i *)(q + j * 32), _mm256_and_si256(raw, m));
+                _mm256_storeu_si256((__m256i *)(q + j * 32 + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m));
+            }
+            return 1;
+        }
+        case QT_Q6_K: {
+            const float d = f16(bl + 208);
+            for (int g = 0; g < 16; g++) {
+                a[g] = d * (float)(int8_t)bl[192 + g];
+                b[g] = 0.f;
+            }
+            const __m256i m = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+            for (int half = 0; half < 2; half++) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(bl + 128 + half * 32));
+                for (int s = 0; s < 4; s++) {
+                    const __m256i l = _mm256_loadu_si256((const __m256i *)(bl + half * 64 + (s % 2) * 32));
+                    const __m256i lo = _mm256_and_si256(s < 2 ? l : _mm256_srli_epi16(l, 4), m);
+                    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * s)), m2);
+                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
+                    _mm256_storeu_si256((__m256i *)(q + half * 128 + s * 32), v);
+                }
+            }
+            return 1;
+        }
+        default: return 0;
+    }
+}
+
+/* Lane sets and offset sums -> the row's result, in the order dot_portable + offsets spell out. */
+__attribute__((target("avx2,fma"), always_inline)) static inline float finish_row(__m256 acc0, __m256 acc1, const float *o,
+                                                                             int offset) {
+    float l[8], s = 0.f;
+    _mm256_storeu_ps(l, _mm256_add_ps(acc0, acc1));
+    for (int i = 0; i < 8; i++) s += l[i];
+    return s + (offset ? (o[0] + o[1]) + (o[2] + o[3]) : 0.f);
+}
+
+/* A Q4_K or Q6_K block's per-16 scales and offsets. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block_scales_k(const uint8_t *bl, const int64_t type,
+                                                                                     float *a, float *b) {
+    if (type == QT_Q4_K) {
+        const float d = f16(bl), dmin = f16(bl + 2);
+        const uint8_t *s = bl + 4;
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
+            else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30); mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
+            a[2 * j] = a[2 * j + 1] = d * (float)sc;
+            b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
+        }
+    } else {
+        const float d = f16(bl + 208);
+        for (int g = 0; g < 16; g++) {
+            a[g] = d * (float)(int8_t)bl[192 + g];
+            b[g] = 0.f;
         }
     }
 }
 
+/* roundf's rounding (half away from zero) by truncation, which vectorizes: v - trunc(v) is exact. */
+static inline float round_away(float v) {
+    const float t = truncf(v);
+    return fabsf(v - t) >= 0.5f ? t + copysignf(1.f, v) : t;
+}
+
+/* One row of K activations -> int8 q, a scale per 32 (dx[K / 32]) and, per 16, scale times the
+ * levels' sum (xs[K / 16]). */
+static void quant_q8_activations(const float *x, int64_t K, int8_t *q, float *dx, float *xs) {
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[blk * 32 + i]));
+        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+        dx[blk] = dd;
+        for (int h = 0; h < 2; h++) {
+            int32_t s = 0;
+            for (int i = 16 * h; i < 16 * h + 16; i++) {
+                const int v = (int)round_away(x[blk * 32 + i] * id);
+                q[blk * 32 + i] = (int8_t)v;
+                s += v;
+            }
+            xs[2 * blk + h] = dd * (float)s;
+        }
+    }
+}
+
+/* The same with AVX2, 8 at a time (the same operations, so the same bits for finite inputs). */
+__attribute__((target("avx2,fma"))) static void quant_q8_activations_avx2(const float *x, int64_t K, int8_t *q, float *dx,
+                                                                          float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        const float *xb = x + blk * 32;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[j], absmask));
+        }
+        float l[8], amax = 0.f;
+        _mm256_storeu_ps(l, m);
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, l[j]);
+        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+        dx[blk] = dd;
+        __m256i lv[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256 y = _mm256_mul_ps(v[j], _mm256_set1_ps(id));
+            const __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(y, t), absmask), half, _CMP_GE_OQ);
+            const __m256 step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(y, sign)));
+            lv[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+        }
+        /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+        const __m256i w01 = _mm256_packs_epi32(lv[0], lv[1]), w23 = _mm256_packs_epi32(lv[2], lv[3]);
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + blk * 32), b);
+        for (int h = 0; h < 2; h++) {
+            const __m256i s8 = _mm256_add_epi32(lv[2 * h], lv[2 * h + 1]);
+            int32_t t[8], s = 0;
+            _mm256_storeu_si256((__m256i *)t, s8);
+            for (int j = 0; j < 8; j++) s += t[j];
+            xs[2 * blk + h] = dd * (float)s;
+        }
+    }
+}
+
+/* The activations of a product, quantized once: M rows of K. */
+typedef struct {
+    const int8_t *q;
+    const float *dx, *xs;
+    int64_t M, K;
+} acts_t;
+
+/* The lanes' sum in one fixed order. */
+static inline float hsum8(const float *l) {
+    float s = 0.f;
+    for (int i = 0; i < 8; i++) s += l[i];
+    return s;
+}
+
+/* The order of the float sums, which every variant keeps: 32-chunk i of a row adds its eight lane
+ * products to lane set i % 2 and its two offset terms b[2i + h] * xs[2i + h] to offset sum
+ * 2 * (i % 2) + h (two chains each, so no variant waits on one add after another); at the end the
+ * two lane sets are added lane by lane and summed (hsum8), the four offset sums added as
+ * ((o0 + o1) + (o2 + o3)), and the two results added. */
+__attribute__((always_inline)) static inline float offsets(const float *b, const float *xs, int64_t nc) {
+    float o[4] = {0};
+    for (int64_t i = 0; i < nc; i++)
+        for (int h = 0; h < 2; h++) o[2 * (i % 2) + h] = fmaf(b[2 * i + h], xs[2 * i + h], o[2 * (i % 2) + h]);
+    return (o[0] + o[1]) + (o[2] + o[3]);
+}
+/* The same, as a call (fmaf is a library call without FMA) and with the FMA instruction. */
+static float offsets_portable(const float *b, const float *xs, int64_t nc) { return offsets(b, xs, nc); }
+__attribute__((target("avx2,fma"))) static float offsets_fma(const float *b, const float *xs, int64_t nc) {
+    return offsets(b, xs, nc);
+}
+
+/* One unpacked weight row (levels q, scales a and offsets b per 16) times activation row m, over
+ * nc chunks of 32; without the offsets. */
+typedef float (*dot_fn)(const int8_t *q, const float *a, const acts_t *x, int64_t m, int per16);
+
+static float dot_portable(const int8_t *q, const float *a, const acts_t *x, int64_t m, int per16) {
+    (void)per16;
+    const int64_t K = x->K;
+    const int8_t *qx = x->q + m * K;
+    const float *dx = x->dx + m * (K / 32);
+    float acc[2][8] = {{0}};
+    for (int64_t i = 0; i < K / 32; i++)
+        for (int l = 0; l < 8; l++) {
+            int32_t p = 0;
+            for (int j = 32 * i + 4 * l; j < 32 * i + 4 * l + 4; j++) p += (int32_t)q[j] * qx[j];
+            const float t = a[2 * i + l / 4] * dx[i];
+            acc[i % 2][l] = fmaf((float)p, t, acc[i % 2][l]);
+        }
+    float l[8];
+    for (int i = 0; i < 8; i++) l[i] = acc[0][i] + acc[1][i];
+    return hsum8(l);
+}
+
+/* A vector variant: P32(vw, vx) gives the eight int32 sums of 32 weights. */
+#define Q8_CHUNK(P32, i, accv)                                                                                  \
+        do {                                                                                                 \
+            const __m256i vw = _mm256_loadu_si256((const __m256i *)(q + 32 * (i)));                          \
+            const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + 32 * (i)));                         \
+            const float d = dx[i];                                                                           \
+            const __m256 t = per16 ? _mm256_setr_m128(_mm_set1_ps(a[2 * (i)] * d), _mm_set1_ps(a[2 * (i) + 1] * d)) \
+                                   : _mm256_set1_ps(a[2 * (i)] * d);                                         \
+            accv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P32(vw, vx)), t, accv);                   \
+        } while (0)
+#define DOT_VARIANT(name, isa, P32)                                                                          \
+    __attribute__((target(isa))) static float name(const int8_t *q, const float *a, const acts_t *x, int64_t m, \
+                                                   int per16) {                                             \
+        const int64_t K = x->K, nc = K / 32;                                                                 \
+        const int8_t *qx = x->q + m * K;                                                                     \
+        const float *dx = x->dx + m * nc;                                                                    \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                            \
+        int64_t i = 0;                                                                                       \
+        for (; i + 1 < nc; i += 2) {                                                                         \
+            Q8_CHUNK(P32, i, acc[0]);                                                                           \
+            Q8_CHUNK(P32, i + 1, acc[1]);                                                                       \
+        }                                                                                                    \
+        if (i < nc) Q8_CHUNK(P32, i, acc[0]);                                                                   \
+        float l[8];                                                                                          \
+        _mm256_storeu_ps(l, _mm256_add_ps(acc[0], acc[1]));                                                   \
+        return hsum8(l);                                                                                     \
+    }
+
+/* maddubs multiplies unsigned by signed bytes: |w| times x with w's sign (at most 2 * 128 * 127
+ * per int16 pair, no saturation). */
+#define P32_MADDUBS(vw, vx) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw)), _mm256_set1_epi16(1))
+/* dpbusd: 4 unsigned-by-signed byte products added into each int32, no saturation. */
+#define P32_AVXVNNI(vw, vx) \
+    _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw))
+#define P32_AVX512VNNI(vw, vx) \
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw))
+DOT_VARIANT(dot_avx2, "avx2,fma,f16c", P32_MADDUBS)
+DOT_VARIANT(dot_avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32_MADDUBS)
+DOT_VARIANT(dot_avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI)
+DOT_VARIANT(dot_avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI)
+static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot_avxvnni, dot_avx512vnni};
+
+/* One activation row (M = 1, a decode step): the common types' levels are built in a register
+ * from the block and used at once, with no unpacked copy; the same sums in the same order. */
+
+/* A 32-block's 32 levels, its scale a and offset b (type a compile-time constant). */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256i levels32(const uint8_t *bl, const int64_t type,
+                                                                                  float *a, float *b) {
+    *a = f16(bl);
+    if (type == QT_Q8_0) {
+        *b = 0.f;
+        return _mm256_loadu_si256((const __m256i *)(bl + 2));
+    }
+    const int one = type == QT_Q4_1;
+    *b = one ? f16(bl + 2) : 0.f;
+    const __m128i m4 = _mm_set1_epi8(15), raw = _mm_loadu_si128((const __m128i *)(bl + (one ? 4 : 2)));
+    __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    if (type == QT_IQ4_NL) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)KVALUES_IQ4);
+        lo = _mm_shuffle_epi8(t, lo);
+        hi = _mm_shuffle_epi8(t, hi);
+    }
+    const __m256i v = _mm256_setr_m128i(lo, hi);
+    return type == QT_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+}
+
+/* Chunk c (of 8) of a K-quant block's levels; the scales come from unpack_block_avx2's a, b. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256i levels_k(const uint8_t *bl, const int64_t type, int c) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (type == QT_Q4_K) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(bl + 16 + (c / 2) * 32));
+        return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+    }
+    /* Q6_K: element half * 128 + s * 32 + l */
+    const int half = c / 4, sh = c % 4;
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(bl + half * 64 + (sh % 2) * 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(bl + 128 + half * 32));
+    const __m256i lo = _mm256_and_si256(sh < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * sh)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+/* Chunk i's lane products into accv and its offsets into o[0], o[1] (the order of finish_row). */
+#define FUSED_CHUNK(P32, vw, a0, a1, b0, b1, i, accv, o)                                              \
+    do {                                                                                           \
+        const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + 32 * (i)));                   \
+        const float d = dx[i];                                                                     \
+        const __m256 t = per16 ? _mm256_setr_m128(_mm_set1_ps((a0) * d), _mm_set1_ps((a1) * d))   \
+                               : _mm256_set1_ps((a0) * d);                                         \
+        accv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P32(vw, vx)), t, accv);             \
+        if (offset) {                                                                              \
+            (o)[0] = fmaf(b0, xs[2 * (i)], (o)[0]);                                                  \
+            (o)[1] = fmaf(b1, xs[2 * (i) + 1], (o)[1]);                                              \
+        }                                                                                          \
+    } while (0)
+
+/* fused_<sfx>(row, type, x, m, y): 1 when it served the type (y set), else 0. */
+#define FUSED_VARIANT(sfx, isa, P32)                                                                          \
+    __attribute__((target(isa), always_inline)) static inline float fused32_##sfx(                            \
+            const uint8_t *row, const int64_t type, const int8_t *qx, const float *dx, const float *xs, int64_t nc) { \
+        const int64_t bytes = qt_bytes(type);                                                                 \
+        const int per16 = 0, offset = has_offset(type);                                                       \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                        \
+        float o[4] = {0.f, 0.f, 0.f, 0.f}, a, b, a2, b2;                                                      \
+        int64_t i = 0;                                                                                        \
+        for (; i + 1 < nc; i += 2) {                                                                          \
+            const __m256i v0 = levels32(row + i * bytes, type, &a, &b);                                       \
+            const __m256i v1 = levels32(row + (i + 1) * bytes, type, &a2, &b2);                               \
+            FUSED_CHUNK(P32, v0, a, a, b, b, i, acc0, o);                                                     \
+            FUSED_CHUNK(P32, v1, a2, a2, b2, b2, i + 1, acc1, o + 2);                                         \
+        }                                                                                                     \
+        if (i < nc) {                                                                                         \
+            const __m256i v0 = levels32(row + i * bytes, type, &a, &b);                                       \
+            FUSED_CHUNK(P32, v0, a, a, b, b, i, acc0, o);                                                     \
+        }                                                                                                     \
+        return finish_row(acc0, acc1, o, offset);                                                         \
+    }                                                                                                         \
+    __attribute__((target(isa), always_inline)) static inline float fusedk_##sfx(                             \
+            const uint8_t *row, const int64_t type, const int8_t *qx, const float *dx, const float *xs, int64_t nc) { \
+        const int64_t bytes = qt_bytes(type);                                                                 \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                        \
+        const int per16 = type == QT_Q6_K, offset = has_offset(type);                                         \
+        float o[4] = {0.f, 0.f, 0.f, 0.f}, a[16], b[16];                                                      \
+        for (int64_t i = 0; i < nc; i += 8, row += bytes) {                                                   \
+            block_scales_k(row, type, a, b);                                                            \
+            for (int c = 0; c < 8; c += 2) {                                                                  \
+                const __m256i v0 = levels_k(row, type, c), v1 = levels_k(row, type, c + 1);                   \
+                FUSED_CHUNK(P32, v0, a[2 * c], a[2 * c + 1], b[2 * c], b[2 * c + 1], i + c, acc0, o);         \
+                FUSED_CHUNK(P32, v1, a[2 * c + 2], a[2 * c + 3], b[2 * c + 2], b[2 * c + 3], i + c + 1, acc1, o + 2); \
+            }                                                                                                 \
+        }                                                                                                     \
+        return finish_row(acc0, acc1, o, offset);                                                         \
+    }                                                                                                         \
+    __attribute__((target(isa))) static int fused_##sfx(const uint8_t *row, int64_t type, const acts_t *x, int64_t m, \
+                                                       float *y) {                                            \
+        const int64_t K = x->K, nc = K / 32;                                                                  \
+        const int8_t *qx = x->q + m * K;                                                                      \
+        const float *dx = x->dx + m * nc, *xs = x->xs + m * (K / 16);                                         \
+        switch (type) {                                                                                       \
+            case QT_Q4_0: *y = fused32_##sfx(row, QT_Q4_0, qx, dx, xs, nc); return 1;                         \
+            case QT_Q4_1: *y = fused32_##sfx(row, QT_Q4_1, qx, dx, xs, nc); return 1;                         \
+            case QT_Q8_0: *y = fused32_##sfx(row, QT_Q8_0, qx, dx, xs, nc); return 1;                         \
+            case QT_IQ4_NL: *y = fused32_##sfx(row, QT_IQ4_NL, qx, dx, xs, nc); return 1;                     \
+            case QT_Q4_K: *y = fusedk_##sfx(row, QT_Q4_K, qx, dx, xs, nc); return 1;                          \
+            case QT_Q6_K: *y = fusedk_##sfx(row, QT_Q6_K, qx, dx, xs, nc); return 1;                          \
+            default: return 0;                                                                                \
+        }                                                                                                     \
+    }
+FUSED_VARIANT(avx2, "avx2,fma,f16c", P32_MADDUBS)
+FUSED_VARIANT(avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32_MADDUBS)
+FUSED_VARIANT(avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI)
+FUSED_VARIANT(avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI)
+typedef int (*fused_fn)(const uint8_t *row, int64_t type, const acts_t *x, int64_t m, float *y);
+static const fused_fn FUSED[ISA_COUNT] = {NULL, fused_avx2, fused_avx512bw, fused_avxvnni, fused_avx512vnni};
+
+/* Row n of w -> levels q[K], and per 16 weights the scale a and offset b. */
+__attribute__((target("avx2,fma,f16c"))) static void unpack_row_avx2(const uint8_t *bl, int64_t type, int64_t K, int8_t *q,
+                                                                  float *a, float *b) {
+    const int64_t block = qt_block(type), bytes = qt_bytes(type);
+    for (int64_t k = 0; k < K; k += block, bl += bytes, q += block, a += block / 16, b += block / 16)
+        if (!unpack_block_avx2(bl, type, q, a, b)) unpack_block(bl, type, q, a, b);
+}
+static void unpack_row(const uint8_t *bl, int64_t type, int64_t K, int8_t *q, float *a, float *b) {
+    const int64_t block = qt_block(type), bytes = qt_bytes(type);
+    for (int64_t k = 0; k < K; k += block, bl += bytes, q += block, a += block / 16, b += block / 16)
+        unpack_block(bl, type, q, a, b);
+}
+
 void quant_gemm_q8(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
-    const dots_fn dots = DOTS[quant_q8_isa(-2)];
-    const int64_t G = K / 16, block = qt_block(type), bytes = qt_bytes(type), row_bytes = K / block * bytes;
+    const int64_t isa = quant_q8_isa(-2);
+    const dot_fn dot = DOTS[isa];
+    const fused_fn fused = FUSED[isa];
+    const int64_t row_bytes = K / qt_block(type) * qt_bytes(type), G = K / 16;
+    const int offset = has_offset(type), per16 = type == QT_Q2_K || type == QT_Q3_K || type == QT_Q6_K;
     int8_t *qx = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * K / 32));
-    int32_t *sx = malloc(sizeof(int32_t) * (size_t)(M * G));
+    float *dx = malloc(sizeof(float) * (size_t)(M * K / 32)), *xs = malloc(sizeof(float) * (size_t)(M * G));
     #pragma omp parallel for schedule(static) if (M > 4)
-    for (int64_t m = 0; m < M; m++) quant_q8_activations(x + m * K, K, qx + m * K, dx + m * K / 32, sx + m * G);
+    for (int64_t m = 0; m < M; m++)
+        (isa == ISA_PORTABLE ? quant_q8_activations : quant_q8_activations_avx2)(x + m * K, K, qx + m * K, dx + m * K / 32,
+                                                                                  xs + m * G);
+    const acts_t acts = {qx, dx, xs, M, K};
     #pragma omp parallel
     {
-        int8_t *qw = malloc((size_t)K);
+        int8_t *q = malloc((size_t)K);
         float *a = malloc(sizeof(float) * (size_t)G), *b = malloc(sizeof(float) * (size_t)G);
-        int32_t *s = malloc(sizeof(int32_t) * (size_t)G);
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            const uint8_t *row = w + n * row_bytes;
-            for (int64_t k = 0; k < K; k += block) unpack_block(row + k / block * bytes, type, qw + k, a + k / 16, b + k / 16);
+            if (M == 1 && fused && fused(w + n * row_bytes, type, &acts, 0, y + n)) continue;
+            if (isa == ISA_PORTABLE) unpack_row(w + n * row_bytes, type, K, q, a, b);
+            else unpack_row_avx2(w + n * row_bytes, type, K, q, a, b);
             for (int64_t m = 0; m < M; m++) {
-                dots(qw, qx + m * K, K / 32, s);
-                const float *dm = dx + m * K / 32;
-                const int32_t *sm = sx + m * G;
-                float acc = 0.f;
-                for (int64_t g = 0; g < G; g++) acc += dm[g / 2] * (a[g] * (float)s[g] + b[g] * (float)sm[g]);
-                y[m * N + n] = acc;
+                const float s = dot(q, a, &acts, m, per16);
+                y[m * N + n] = s + (offset ? (isa == ISA_PORTABLE ? offsets_portable : offsets_fma)(b, xs + m * G, K / 32) : 0.f);
             }
         }
-        free(qw); free(a); free(b); free(s);
+        free(q); free(a); free(b);
     }
-    free(qx); free(dx); free(sx);
+    free(qx); free(dx); free(xs);
 }
