@@ -68,3 +68,15 @@ def test_bfloat16_runs_on_the_embedded_model():
     assert llm.engine.executor.kv_caches[0][0].dtype == torch.bfloat16
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_a_gguf_tokenizer_splits_as_llama_cpp_does(embedded_dir):
+    """The embedded GGUF's `tokenizer.ggml.pre` is "smollm": digits split one by one before the
+    byte-level expression, as llama.cpp and SmolLM2's own tokenizer.json do. The ids are
+    llama-server's /tokenize of the same text (a plain byte-level split gives 198, 198 for "\\n\\n")."""
+    from ferry.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(embedded_dir)
+    assert tok.encode(" following requirements:\n\n1. Explicit") == [1695, 4292, 42, 1116, 33, 30, 1323, 12962]
+    assert tok.encode("In 2024, 12 ferries") == tok.encode("In 2024,") + tok.encode(" 12 ferries")
+    assert len(tok.encode("2024")) == 4

@@ -4,7 +4,8 @@ Both engines score the same fixed texts (prompt logprobs): at every position, do
 next token agree (top-1 agreement), and by how much does the logprob of the actual next token
 differ (mean and max absolute difference, in nats)? The texts go in prefill chunks of at most
 KERNEL_ROWS tokens, the products' decode-sized regime, where q8 activations act (larger products
-dequantize and use BLAS in either mode).
+dequantize and use BLAS in either mode). With a text file it also gives both engines' perplexity
+computed as llama-perplexity does, to set beside llama.cpp's on the same file and text.
 """
 from __future__ import annotations
 
@@ -55,7 +56,30 @@ def compare(exact: Any, other: Any, prompts: list[list[int]]) -> dict[str, Any]:
             "mean_abs_logprob_diff": sum(diffs) / positions, "max_abs_logprob_diff": max(diffs)}
 
 
-def run_accuracy(config: EngineConfig) -> dict[str, Any]:
+def perplexity(llm: Any, tokens: list[int], n_ctx: int = 512) -> dict[str, Any]:
+    """Perplexity as llama-perplexity computes it, so the two compare on the same file and text:
+    the tokens in whole chunks of ``n_ctx``, each scored on its second half (the first half is
+    context), the chunk's first token replaced by BOS when the tokenizer adds one."""
+    import math
+
+    from ferry import SamplingParams
+
+    bos = llm.tokenizer.bos_token_id if getattr(llm.tokenizer, "add_bos_token", False) else None
+    chunks = [tokens[i:i + n_ctx] for i in range(0, len(tokens) - n_ctx + 1, n_ctx)]
+    if not chunks:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}")
+    if bos is not None:
+        chunks = [[bos] + c[1:] for c in chunks]
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    nll, scored = 0.0, 0
+    for out, ids in zip(llm.generate(chunks, sp, use_tqdm=False), chunks):
+        for j in range(n_ctx // 2 + 1, n_ctx):
+            nll -= out.prompt_logprobs[j][ids[j]]
+            scored += 1
+    return {"chunks": len(chunks), "n_ctx": n_ctx, "scored": scored, "perplexity": math.exp(nll / scored)}
+
+
+def run_accuracy(config: EngineConfig, text: str | None = None, n_ctx: int = 512) -> dict[str, Any]:
     """``config`` against the exact engine: the same model, float32 products, GGUF kept quantized
     (bit for bit the dequantized float32 model) where the model is a GGUF."""
     from ferry import LLM
@@ -67,7 +91,12 @@ def run_accuracy(config: EngineConfig) -> dict[str, Any]:
                         quant_activations="exact")
     exact, other = LLM(**vars(exact_cfg)), LLM(**vars(config))
     prompts = [exact.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    return {"settings": {"dtype": config.dtype, "quantization": config.quantization,
-                         "quant_activations": config.quant_activations,
-                         "fp32_matmul_precision": config.fp32_matmul_precision},
-            **compare(exact, other, prompts)}
+    report = {"settings": {"dtype": config.dtype, "quantization": config.quantization,
+                           "quant_activations": config.quant_activations,
+                           "fp32_matmul_precision": config.fp32_matmul_precision},
+              **compare(exact, other, prompts)}
+    if text is not None:
+        tokens = exact.tokenizer.encode(text, add_special_tokens=False)
+        report["perplexity"] = {"tokens": len(tokens), "exact": perplexity(exact, tokens, n_ctx),
+                                "these settings": perplexity(other, tokens, n_ctx)}
+    return report

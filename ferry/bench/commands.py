@@ -184,10 +184,16 @@ def cmd_bench_kernels(args: argparse.Namespace, config: EngineConfig) -> int:
 def cmd_bench_accuracy(args: argparse.Namespace, config: EngineConfig) -> int:
     from ferry.bench.accuracy import run_accuracy
 
-    r = run_accuracy(config)
+    text = Path(args.perplexity_text).read_text() if args.perplexity_text else None
+    r = run_accuracy(config, text, args.ctx_size)
     print(f"{r['settings']} against float32 products on the same weights, {r['positions']} positions: "
           f"top-1 agreement {100 * r['top1_agreement']:.2f}%, logprob difference mean "
           f"{r['mean_abs_logprob_diff']:.4f}, max {r['max_abs_logprob_diff']:.4f} (nats)")
+    if text is not None:
+        p = r["perplexity"]
+        print(f"perplexity of {args.perplexity_text} ({p['tokens']} tokens, {p['exact']['chunks']} chunks of "
+              f"{args.ctx_size}, as llama-perplexity -c {args.ctx_size} scores them): exact "
+              f"{p['exact']['perplexity']:.4f}, these settings {p['these settings']['perplexity']:.4f}")
     write_json(args.output_json, r)
     return 0
 
@@ -257,6 +263,9 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.set_defaults(func=run(cmd_bench_kernels))
     p = bsub.add_parser("accuracy", help="the accuracy cost of these engine settings (e.g. --fp32-matmul-precision "
                                           "bf16) against float32 products: top-1 agreement, logprob difference")
+    p.add_argument("--perplexity-text", help="a text file: also both engines' perplexity on it, computed as "
+                                             "llama-perplexity does (compare with `llama-perplexity -f FILE -c N`)")
+    p.add_argument("--ctx-size", type=int, default=512, help="perplexity chunk length (llama-perplexity's -c)")
     p.add_argument("--output-json")
     add_engine_args(p)
     p.set_defaults(func=run(cmd_bench_accuracy))

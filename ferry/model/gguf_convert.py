@@ -35,10 +35,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FERRY_CACHE", Path.home() / ".cache" / "ferry"))
 
 
+# Part of the cache's names: a conversion that changes (v2: pre-tokenizers) is made again.
+CONVERSION_VERSION = 2
+
+# llama.cpp pre-tokenizer types (`tokenizer.ggml.pre`) that transformers' GGUF tokenizer
+# conversion leaves at plain byte-level, and how llama.cpp splits for them (llama-vocab.cpp):
+# digits one by one, then GPT-2's expression. SmolLM's "\n\n1." is then "\n\n", "1", "." as in
+# its own tokenizer.json, where a plain byte-level split gives "\n", "\n", ...
+DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+
+
+def _set_pre_tokenizer(tokenizer, pre: str | None) -> None:
+    from tokenizers import pre_tokenizers
+
+    if pre in DIGITS_THEN_GPT2:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+
+
 def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """Where the conversion of ``gguf_path`` lives; converts it first if it is not there yet."""
     st = gguf_path.stat()
-    out = (cache_dir or default_cache_dir()) / "models" / f"{gguf_path.stem}-{st.st_size}"
+    out = (cache_dir or default_cache_dir()) / "models" / f"{gguf_path.stem}-{st.st_size}-v{CONVERSION_VERSION}"
     if not (out / "model.safetensors").is_file():
         convert_gguf(gguf_path, out)
     return out
@@ -181,6 +200,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if "tokenizer.ggml.model" in reader.fields:  # a GGUF without a tokenizer serves token ids only
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        pre = reader.fields.get("tokenizer.ggml.pre")
+        _set_pre_tokenizer(tokenizer, pre.contents() if pre is not None else None)
+        tokenizer.save_pretrained(str(tmp))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
