@@ -2,9 +2,7 @@
 
 Both engines score the same fixed texts (prompt logprobs): at every position, does the most likely
 next token agree (top-1 agreement), and by how much does the logprob of the actual next token
-differ (mean and max absolute difference, in nats)? The texts go in prefill chunks of at most
-KERNEL_ROWS tokens, the products' decode-sized regime, where q8 activations act (larger products
-dequantize and use BLAS in either mode). With a text file it also gives both engines' perplexity
+differ (mean and max absolute difference, in nats)? With a text file it also gives both engines' perplexity
 computed as llama-perplexity does, to set beside llama.cpp's on the same file and text.
 """
 from __future__ import annotations
@@ -84,9 +82,6 @@ def run_accuracy(config: EngineConfig, text: str | None = None, n_ctx: int = 512
     (bit for bit the dequantized float32 model) where the model is a GGUF."""
     from ferry import LLM
 
-    from ferry.model.quant import KERNEL_ROWS
-
-    config = replace(config, max_num_batched_tokens=min(config.max_num_batched_tokens, KERNEL_ROWS))
     exact_cfg = replace(config, fp32_matmul_precision="ieee", dtype="float32", quantization=None,
                         quant_activations="exact")
     exact, other = LLM(**vars(exact_cfg)), LLM(**vars(config))

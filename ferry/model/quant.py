@@ -83,9 +83,10 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, int]
     # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
-    # per block of 32 to int8 and integer dot products (quant_q8.c) in the kernel's products (up
-    # to KERNEL_ROWS rows in quant_linear, every decode step of the fused decode); larger products
-    # (prefill chunks) take dequantize-then-BLAS in both modes, the faster measured there.
+    # per block of 32 to int8 (quant_q8.c), at every number of rows: integer dot products in the
+    # kernel's products (up to KERNEL_ROWS rows, every step of the fused decode), and the same
+    # rounded activations times the dequantized weights by BLAS above that (prefill chunks, the
+    # faster measured there), equal up to the order of sums.
     activations: str = "exact"
 
     @property
@@ -131,6 +132,10 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         y = torch.empty(m, n, dtype=torch.float32)
         lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
         return y
+    if w.activations == "q8":  # the same rounded activations, multiplied by BLAS
+        xq = torch.empty_like(x)
+        lib.quant_q8_round(x.data_ptr(), xq.data_ptr(), m, k)
+        x = xq
     step = max(1, SLICE_FLOATS // k)
     buf = torch.empty(min(n, step), k, dtype=torch.float32)
     if n <= step:

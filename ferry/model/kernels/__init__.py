@@ -99,6 +99,8 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_gemm.restype = None
     so.quant_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.quant_dequant.restype = None
+    so.quant_q8_round.argtypes = [ptr, ptr, i64, i64]
+    so.quant_q8_round.restype = None
     so.quant_q8_isa.argtypes = [i64]
     so.quant_q8_isa.restype = i64
     so.quant_type_row.argtypes = [i64, ctypes.c_char_p, ptr]

@@ -596,3 +596,19 @@ void quant_gemm_q8(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     }
     free(qx); free(dx); free(xs);
 }
+
+/* out[M, K] = x rounded as the q8 products see it (level times block scale): products with many
+ * rows multiply these floats with BLAS, which equals the integer products up to the order of sums. */
+void quant_q8_round(const float *x, float *out, int64_t M, int64_t K) {
+    #pragma omp parallel
+    {
+        int8_t *q = malloc((size_t)K);
+        float *dx = malloc(sizeof(float) * (size_t)(K / 32)), *xs = malloc(sizeof(float) * (size_t)(K / 16));
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            quant_q8_activations(x + m * K, K, q, dx, xs);
+            for (int64_t k = 0; k < K; k++) out[m * K + k] = dx[k / 32] * (float)q[k];
+        }
+        free(q); free(dx); free(xs);
+    }
+}
