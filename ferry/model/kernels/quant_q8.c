@@ -172,94 +172,67 @@ static int has_offset(int64_t type) {
     return type == QT_Q4_1 || type == QT_Q5_1 || type == QT_Q2_K || type == QT_Q4_K || type == QT_Q5_K;
 }
 
-/* With AVX2, the common types' levels are unpacked 16 or 32 bytes at a time; the levels are
- * integers, so they equal unpack_block's. Returns 0 for a type left to unpack_block. */
+/* With AVX2, the common types' levels are built 32 at a time in a register (used at once by the
+ * fused one-row products, or stored by unpack_block_avx2); levels are integers, so they equal
+ * unpack_block's, and the scales are the same float operations. */
+
 /* Every AVX2 CPU has F16C: one instruction per float16 scale (qt_f16's portable form is a loop). */
 __attribute__((target("f16c"))) static inline float f16(const uint8_t *p) {
     return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
 }
 
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline int unpack_block_avx2(const uint8_t *bl, int64_t type, int8_t *q, float *a,
-                                                              float *b) {
-    const __m128i m4 = _mm_set1_epi8(15);
+/* The types these serve: a 32-block's (levels32) or a super-block's, chunk by chunk (levels_k). */
+static inline int fast32(int64_t type) {
+    return type == QT_Q4_0 || type == QT_Q4_1 || type == QT_Q5_0 || type == QT_Q5_1 || type == QT_Q8_0 ||
+           type == QT_IQ4_NL;
+}
+static inline int fast_k(int64_t type) {
+    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K || type == QT_IQ4_XS;
+}
+
+/* 16 nibbles -> 32 levels: the low nibbles first, then the high ones (IQ4: through the table). */
+__attribute__((target("avx2"), always_inline)) static inline __m256i nibbles(const uint8_t *qs, int iq4) {
+    const __m128i m4 = _mm_set1_epi8(15), raw = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    if (iq4) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)KVALUES_IQ4);
+        lo = _mm_shuffle_epi8(t, lo);
+        hi = _mm_shuffle_epi8(t, hi);
+    }
+    return _mm256_setr_m128i(lo, hi);
+}
+
+/* Byte i = 16 where bit i of the 32 bits at p is set, else 0: Q5's fifth bits. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+/* A 32-block's 32 levels, its scale a and offset b. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256i levels32(const uint8_t *bl, const int64_t type,
+                                                                                      float *a, float *b) {
+    *a = f16(bl);
+    const int offset = type == QT_Q4_1 || type == QT_Q5_1;
+    *b = offset ? f16(bl + 2) : 0.f;
     switch (type) {
-        case QT_Q4_0: case QT_Q4_1: case QT_IQ4_NL: {
-            const int one = type == QT_Q4_1;
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(bl + (one ? 4 : 2)));
-            __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-            if (type == QT_IQ4_NL) {
-                const __m128i t = _mm_loadu_si128((const __m128i *)KVALUES_IQ4);
-                lo = _mm_shuffle_epi8(t, lo);
-                hi = _mm_shuffle_epi8(t, hi);
-            } else if (type == QT_Q4_0) {
-                lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-                hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
-            }
-            _mm_storeu_si128((__m128i *)q, lo);
-            _mm_storeu_si128((__m128i *)(q + 16), hi);
-            a[0] = a[1] = f16(bl);
-            b[0] = b[1] = one ? f16(bl + 2) : 0.f;
-            return 1;
-        }
-        case QT_Q8_0:
-            memcpy(q, bl + 2, 32);
-            a[0] = a[1] = f16(bl);
-            b[0] = b[1] = 0.f;
-            return 1;
-        case QT_Q4_K: {
-            const __m256i m = _mm256_set1_epi8(15);
-            const float d = f16(bl), dmin = f16(bl + 2);
-            const uint8_t *s = bl + 4;
-            for (int j = 0; j < 8; j++) {
-                int sc, mn;
-                if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
-                else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30); mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
-                a[2 * j] = a[2 * j + 1] = d * (float)sc;
-                b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
-            }
-            for (int j = 0; j < 8; j += 2) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(bl + 16 + (j / 2) * 32));
-                _mm256_storeu_si256((__m256i *)(q + j * 32), _mm256_and_si256(raw, m));
-                _mm256_storeu_si256((__m256i *)(q + j * 32 + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m));
-            }
-            return 1;
-        }
-        case QT_Q6_K: {
-            const float d = f16(bl + 208);
-            for (int g = 0; g < 16; g++) {
-                a[g] = d * (float)(int8_t)bl[192 + g];
-                b[g] = 0.f;
-            }
-            const __m256i m = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-            for (int half = 0; half < 2; half++) {
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(bl + 128 + half * 32));
-                for (int s = 0; s < 4; s++) {
-                    const __m256i l = _mm256_loadu_si256((const __m256i *)(bl + half * 64 + (s % 2) * 32));
-                    const __m256i lo = _mm256_and_si256(s < 2 ? l : _mm256_srli_epi16(l, 4), m);
-                    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * s)), m2);
-                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
-                    _mm256_storeu_si256((__m256i *)(q + half * 128 + s * 32), v);
-                }
-            }
-            return 1;
-        }
-        default: return 0;
+        case QT_Q8_0: return _mm256_loadu_si256((const __m256i *)(bl + 2));
+        case QT_Q4_0: return _mm256_sub_epi8(nibbles(bl + 2, 0), _mm256_set1_epi8(8));
+        case QT_Q4_1: return nibbles(bl + 4, 0);
+        case QT_IQ4_NL: return nibbles(bl + 2, 1);
+        case QT_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(bl + 6, 0), fifth_bits(bl + 2)), _mm256_set1_epi8(16));
+        default: return _mm256_or_si256(nibbles(bl + 8, 0), fifth_bits(bl + 4)); /* Q5_1 */
     }
 }
 
-/* Lane sets and offset sums -> the row's result, in the order dot_portable + offsets spell out. */
-__attribute__((target("avx2,fma"), always_inline)) static inline float finish_row(__m256 acc0, __m256 acc1, const float *o,
-                                                                             int offset) {
-    float l[8], s = 0.f;
-    _mm256_storeu_ps(l, _mm256_add_ps(acc0, acc1));
-    for (int i = 0; i < 8; i++) s += l[i];
-    return s + (offset ? (o[0] + o[1]) + (o[2] + o[3]) : 0.f);
-}
-
-/* A Q4_K or Q6_K block's per-16 scales and offsets. */
+/* A super-block's per-16 scales a and offsets b. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block_scales_k(const uint8_t *bl, const int64_t type,
-                                                                                     float *a, float *b) {
-    if (type == QT_Q4_K) {
+                                                                                         float *a, float *b) {
+    if (type == QT_Q4_K || type == QT_Q5_K) {
         const float d = f16(bl), dmin = f16(bl + 2);
         const uint8_t *s = bl + 4;
         for (int j = 0; j < 8; j++) {
@@ -269,14 +242,68 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block
             a[2 * j] = a[2 * j + 1] = d * (float)sc;
             b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
         }
-    } else {
+    } else if (type == QT_Q6_K) {
         const float d = f16(bl + 208);
         for (int g = 0; g < 16; g++) {
             a[g] = d * (float)(int8_t)bl[192 + g];
             b[g] = 0.f;
         }
+    } else { /* IQ4_XS */
+        const float d = f16(bl);
+        const uint16_t sh = (uint16_t)(bl[2] | (bl[3] << 8));
+        for (int j = 0; j < 8; j++) {
+            const int ls = (((bl[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+            a[2 * j] = a[2 * j + 1] = d * (float)ls;
+            b[2 * j] = b[2 * j + 1] = 0.f;
+        }
     }
 }
+
+/* Chunk c (of 8) of a super-block's levels. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256i levels_k(const uint8_t *bl, const int64_t type, int c) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (type == QT_IQ4_XS) return nibbles(bl + 8 + 16 * c, 1);
+    if (type == QT_Q4_K || type == QT_Q5_K) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(bl + (type == QT_Q5_K ? 48 : 16) + (c / 2) * 32));
+        const __m256i v = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+        if (type == QT_Q4_K) return v;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(bl + 16));  /* bit c of byte l: element 32c + l */
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
+        return _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+    }
+    /* Q6_K: element half * 128 + s * 32 + l */
+    const int half = c / 4, sh = c % 4;
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(bl + half * 64 + (sh % 2) * 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(bl + 128 + half * 32));
+    const __m256i lo = _mm256_and_si256(sh < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * sh)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+/* One block unpacked to q, a, b as unpack_block does; 0 for a type left to it. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline int unpack_block_avx2(const uint8_t *bl, int64_t type,
+                                                                                          int8_t *q, float *a, float *b) {
+    if (fast32(type)) {
+        _mm256_storeu_si256((__m256i *)q, levels32(bl, type, a, b));
+        a[1] = a[0];
+        b[1] = b[0];
+        return 1;
+    }
+    if (!fast_k(type)) return 0;
+    block_scales_k(bl, type, a, b);
+    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(q + 32 * c), levels_k(bl, type, c));
+    return 1;
+}
+
+/* Lane sets and offset sums -> the row's result, in the order dot_portable + offsets spell out. */
+__attribute__((target("avx2,fma"), always_inline)) static inline float finish_row(__m256 acc0, __m256 acc1, const float *o,
+                                                                                 int offset) {
+    float l[8], s = 0.f;
+    _mm256_storeu_ps(l, _mm256_add_ps(acc0, acc1));
+    for (int i = 0; i < 8; i++) s += l[i];
+    return s + (offset ? (o[0] + o[1]) + (o[2] + o[3]) : 0.f);
+}
+
 
 /* roundf's rounding (half away from zero) by truncation, which vectorizes: v - trunc(v) is exact. */
 static inline float round_away(float v) {
@@ -439,45 +466,8 @@ DOT_VARIANT(dot_avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI)
 DOT_VARIANT(dot_avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI)
 static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot_avxvnni, dot_avx512vnni};
 
-/* One activation row (M = 1, a decode step): the common types' levels are built in a register
- * from the block and used at once, with no unpacked copy; the same sums in the same order. */
-
-/* A 32-block's 32 levels, its scale a and offset b (type a compile-time constant). */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256i levels32(const uint8_t *bl, const int64_t type,
-                                                                                  float *a, float *b) {
-    *a = f16(bl);
-    if (type == QT_Q8_0) {
-        *b = 0.f;
-        return _mm256_loadu_si256((const __m256i *)(bl + 2));
-    }
-    const int one = type == QT_Q4_1;
-    *b = one ? f16(bl + 2) : 0.f;
-    const __m128i m4 = _mm_set1_epi8(15), raw = _mm_loadu_si128((const __m128i *)(bl + (one ? 4 : 2)));
-    __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-    if (type == QT_IQ4_NL) {
-        const __m128i t = _mm_loadu_si128((const __m128i *)KVALUES_IQ4);
-        lo = _mm_shuffle_epi8(t, lo);
-        hi = _mm_shuffle_epi8(t, hi);
-    }
-    const __m256i v = _mm256_setr_m128i(lo, hi);
-    return type == QT_Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
-}
-
-/* Chunk c (of 8) of a K-quant block's levels; the scales come from unpack_block_avx2's a, b. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256i levels_k(const uint8_t *bl, const int64_t type, int c) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    if (type == QT_Q4_K) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(bl + 16 + (c / 2) * 32));
-        return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
-    }
-    /* Q6_K: element half * 128 + s * 32 + l */
-    const int half = c / 4, sh = c % 4;
-    const __m256i l = _mm256_loadu_si256((const __m256i *)(bl + half * 64 + (sh % 2) * 32));
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(bl + 128 + half * 32));
-    const __m256i lo = _mm256_and_si256(sh < 2 ? l : _mm256_srli_epi16(l, 4), m4);
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * sh)), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-}
+/* One activation row (M = 1, a decode step): the levels are built in a register from the block
+ * and used at once, with no unpacked copy; the same sums in the same order. */
 
 /* Chunk i's lane products into accv and its offsets into o[0], o[1] (the order of finish_row). */
 #define FUSED_CHUNK(P32, vw, a0, a1, b0, b1, i, accv, o)                                              \
@@ -518,7 +508,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256i levels_
             const uint8_t *row, const int64_t type, const int8_t *qx, const float *dx, const float *xs, int64_t nc) { \
         const int64_t bytes = qt_bytes(type);                                                                 \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                        \
-        const int per16 = type == QT_Q6_K, offset = has_offset(type);                                         \
+        const int per16 = type == QT_Q6_K, offset = has_offset(type);                                           \
         float o[4] = {0.f, 0.f, 0.f, 0.f}, a[16], b[16];                                                      \
         for (int64_t i = 0; i < nc; i += 8, row += bytes) {                                                   \
             block_scales_k(row, type, a, b);                                                            \
@@ -538,10 +528,14 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256i levels_
         switch (type) {                                                                                       \
             case QT_Q4_0: *y = fused32_##sfx(row, QT_Q4_0, qx, dx, xs, nc); return 1;                         \
             case QT_Q4_1: *y = fused32_##sfx(row, QT_Q4_1, qx, dx, xs, nc); return 1;                         \
+            case QT_Q5_0: *y = fused32_##sfx(row, QT_Q5_0, qx, dx, xs, nc); return 1;                         \
+            case QT_Q5_1: *y = fused32_##sfx(row, QT_Q5_1, qx, dx, xs, nc); return 1;                         \
             case QT_Q8_0: *y = fused32_##sfx(row, QT_Q8_0, qx, dx, xs, nc); return 1;                         \
             case QT_IQ4_NL: *y = fused32_##sfx(row, QT_IQ4_NL, qx, dx, xs, nc); return 1;                     \
             case QT_Q4_K: *y = fusedk_##sfx(row, QT_Q4_K, qx, dx, xs, nc); return 1;                          \
+            case QT_Q5_K: *y = fusedk_##sfx(row, QT_Q5_K, qx, dx, xs, nc); return 1;                          \
             case QT_Q6_K: *y = fusedk_##sfx(row, QT_Q6_K, qx, dx, xs, nc); return 1;                          \
+            case QT_IQ4_XS: *y = fusedk_##sfx(row, QT_IQ4_XS, qx, dx, xs, nc); return 1;                      \
             default: return 0;                                                                                \
         }                                                                                                     \
     }
