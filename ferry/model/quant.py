@@ -83,10 +83,10 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, int]
     # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
-    # per block of 32 to int8 (quant_q8.c), at every number of rows: integer dot products in the
-    # kernel's products (up to KERNEL_ROWS rows, every step of the fused decode), and the same
-    # rounded activations times the dequantized weights by BLAS above that (prefill chunks, the
-    # faster measured there), equal up to the order of sums.
+    # per block of 32 to int8 (quant_q8.c), at every number of rows: integer dot products for one
+    # row (a decode step of one request), and the same rounded activations times the dequantized
+    # weights in float for more (the kernel's product, BLAS past KERNEL_ROWS), which is faster
+    # measured there and equal up to the order of sums.
     activations: str = "exact"
 
     @property

@@ -1,5 +1,7 @@
 /* q8 activation mode: y[M, N] = x[M, K] @ w[N, K]^T with x quantized per block of 32 to int8
- * (scale amax / 127, rounded to nearest, as llama.cpp's q8_0) and integer dot products.
+ * (scale amax / 127, rounded to nearest, as llama.cpp's q8_0) and integer dot products. quant_gemm
+ * calls this for one row (a decode step); more rows take the rounded activations (quant_q8_round)
+ * through the float product, faster measured there.
  *
  * Each weight block is unpacked into int8 levels q (in an L1 buffer) plus, per 16 weights, a float
  * scale a and offset b (w = a * q + b: Q4_1's m, the K-quants' -dmin * min), so a 16-group adds
@@ -390,10 +392,19 @@ static inline float hsum8(const float *l) {
  * two lane sets are added lane by lane and summed (hsum8), the four offset sums added as
  * ((o0 + o1) + (o2 + o3)), and the two results added. */
 __attribute__((always_inline)) static inline float offsets(const float *b, const float *xs, int64_t nc) {
-    float o[4] = {0};
-    for (int64_t i = 0; i < nc; i++)
-        for (int h = 0; h < 2; h++) o[2 * (i % 2) + h] = fmaf(b[2 * i + h], xs[2 * i + h], o[2 * (i % 2) + h]);
-    return (o[0] + o[1]) + (o[2] + o[3]);
+    float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;  /* o[2 * (i % 2) + h], in registers */
+    int64_t g = 0;
+    for (; g + 4 <= 2 * nc; g += 4) {
+        o0 = fmaf(b[g], xs[g], o0);
+        o1 = fmaf(b[g + 1], xs[g + 1], o1);
+        o2 = fmaf(b[g + 2], xs[g + 2], o2);
+        o3 = fmaf(b[g + 3], xs[g + 3], o3);
+    }
+    if (g < 2 * nc) {
+        o0 = fmaf(b[g], xs[g], o0);
+        o1 = fmaf(b[g + 1], xs[g + 1], o1);
+    }
+    return (o0 + o1) + (o2 + o3);
 }
 /* The same, as a call (fmaf is a library call without FMA) and with the FMA instruction. */
 static float offsets_portable(const float *b, const float *xs, int64_t nc) { return offsets(b, xs, nc); }
@@ -465,6 +476,7 @@ DOT_VARIANT(dot_avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32_MADDUBS
 DOT_VARIANT(dot_avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI)
 DOT_VARIANT(dot_avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI)
 static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot_avxvnni, dot_avx512vnni};
+
 
 /* One activation row (M = 1, a decode step): the levels are built in a register from the block
  * and used at once, with no unpacked copy; the same sums in the same order. */
@@ -594,13 +606,14 @@ void quant_gemm_q8(const float *x, const uint8_t *w, float *y, int64_t M, int64_
 /* out[M, K] = x rounded as the q8 products see it (level times block scale): products with many
  * rows multiply these floats with BLAS, which equals the integer products up to the order of sums. */
 void quant_q8_round(const float *x, float *out, int64_t M, int64_t K) {
-    #pragma omp parallel
+    const int portable = quant_q8_isa(-2) == ISA_PORTABLE;
+    #pragma omp parallel if (M > 4)
     {
         int8_t *q = malloc((size_t)K);
         float *dx = malloc(sizeof(float) * (size_t)(K / 32)), *xs = malloc(sizeof(float) * (size_t)(K / 16));
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            quant_q8_activations(x + m * K, K, q, dx, xs);
+            (portable ? quant_q8_activations : quant_q8_activations_avx2)(x + m * K, K, q, dx, xs);
             for (int64_t k = 0; k < K; k++) out[m * K + k] = dx[k / 32] * (float)q[k];
         }
         free(q); free(dx); free(xs);
