@@ -7,14 +7,6 @@
 
 #include "quant_types.h"
 
-/* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes. */
-static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
-    else {
-        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-    }
-}
 #if defined(__AVX2__)
 /* With AVX2 each type's levels are built 8 at a time as int32 lanes (gcc does not vectorize the
  * nibble loops with 8 float lanes: 7x slower), then scaled by the same float operations as the
@@ -132,7 +124,7 @@ static void q4_k(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b), dmin = qt_f16(b + 2);
     for (int j = 0; j < 8; j++) {
         int sc, m;
-        scale_min_k4(b + 4, j, &sc, &m);
+        qt_scale_min_k4(b + 4, j, &sc, &m);
         const float ds = d * (float)sc, dm = dmin * (float)m;
         const uint8_t *qs = b + 16 + (j / 2) * 32;
         for (int c = 0; c < 32; c += 8) put_sub(y + j * 32 + c, field(qs + c, 4 * (j % 2), 15), ds, dm);
@@ -143,7 +135,7 @@ static void q5_k(const uint8_t *restrict b, float *restrict y) {
     const uint8_t *qh = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, m;
-        scale_min_k4(b + 4, j, &sc, &m);
+        qt_scale_min_k4(b + 4, j, &sc, &m);
         const float ds = d * (float)sc, dm = dmin * (float)m;
         const uint8_t *qs = b + 48 + (j / 2) * 32;
         for (int c = 0; c < 32; c += 8) {
@@ -264,7 +256,7 @@ static void q4_k(const uint8_t *restrict b, float *restrict y) {
     const float d = qt_f16(b), dmin = qt_f16(b + 2);
     for (int j = 0; j < 8; j++) {
         int sc, m;
-        scale_min_k4(b + 4, j, &sc, &m);
+        qt_scale_min_k4(b + 4, j, &sc, &m);
         const float ds = d * (float)sc, dm = dmin * (float)m;
         const uint8_t *qs = b + 16 + (j / 2) * 32;
         const int shift = 4 * (j % 2);
@@ -276,7 +268,7 @@ static void q5_k(const uint8_t *restrict b, float *restrict y) {
     const uint8_t *qh = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, m;
-        scale_min_k4(b + 4, j, &sc, &m);
+        qt_scale_min_k4(b + 4, j, &sc, &m);
         const float ds = d * (float)sc, dm = dmin * (float)m;
         const uint8_t *qs = b + 48 + (j / 2) * 32;
         const int shift = 4 * (j % 2);

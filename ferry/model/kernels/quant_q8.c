@@ -123,8 +123,7 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
             const uint8_t *s = bl + 4, *qh = bl + 16, *qs = bl + (five ? 48 : 16);
             for (int j = 0; j < 8; j++) {
                 int sc, m;
-                if (j < 4) { sc = s[j] & 63; m = s[j + 4] & 63; }
-                else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30); m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
+                qt_scale_min_k4(s, j, &sc, &m);
                 a[2 * j] = a[2 * j + 1] = d * (float)sc;
                 b[2 * j] = b[2 * j + 1] = -(dmin * (float)m);
                 for (int l = 0; l < 32; l++) {
@@ -239,8 +238,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block
         const uint8_t *s = bl + 4;
         for (int j = 0; j < 8; j++) {
             int sc, mn;
-            if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
-            else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30); mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
+            qt_scale_min_k4(s, j, &sc, &mn);
             a[2 * j] = a[2 * j + 1] = d * (float)sc;
             b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
         }

@@ -39,6 +39,15 @@ static inline int64_t qt_bytes(int64_t type) {
 
 #define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8.c) */
 
+/* Q4_K / Q5_K: sub-block j's six-bit scale and min, 8 of each packed in 12 bytes at s. */
+static inline void qt_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
 /* IQ4_NL / IQ4_XS's non-linear levels. */
 static const int8_t KVALUES_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
