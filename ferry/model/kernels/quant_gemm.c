@@ -16,7 +16,7 @@
 #include "quant_types.h"
 #include "vec.h"
 
-void quant_gemm_q8(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
+void quant_gemv_q8(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int64_t type);
 void quant_q8_round(const float *x, float *out, int64_t M, int64_t K);
 
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; K a multiple of the type's block (the caller checks).
@@ -28,7 +28,7 @@ void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N
     if (type & FERRY_QT_Q8) {
         type &= ~(int64_t)FERRY_QT_Q8;
         if (M == 1) {
-            quant_gemm_q8(x, w, y, M, N, K, type);
+            quant_gemv_q8(x, w, y, N, K, type);
             return;
         }
         float *xq = malloc(sizeof(float) * (size_t)(M * K));

@@ -1,19 +1,19 @@
-/* q8 activation mode: y[M, N] = x[M, K] @ w[N, K]^T with x quantized per block of 32 to int8
- * (scale amax / 127, rounded to nearest, as llama.cpp's q8_0) and integer dot products. quant_gemm
- * calls this for one row (a decode step); more rows take the rounded activations (quant_q8_round)
- * through the float product, faster measured there.
+/* q8 activation mode, one activation row (a decode step): y[N] = x[K] @ w[N, K]^T with x quantized
+ * per block of 32 to int8 (scale amax / 127, rounded to nearest, as llama.cpp's q8_0) and integer
+ * dot products. More rows take the rounded activations (quant_q8_round) through the float product
+ * (quant_gemm.c), faster measured there.
  *
- * Each weight block is unpacked into int8 levels q (in an L1 buffer) plus, per 16 weights, a float
- * scale a and offset b (w = a * q + b: Q4_1's m, the K-quants' -dmin * min), so a 16-group adds
- * dx * a * sum(q * qx) + b * dx * sum(qx). The integer sums run per instruction set: portable C,
- * AVX2 (maddubs + madd), AVX-512BW (the same code with AVX-512's encodings and registers),
- * AVX-VNNI / AVX-512-VNNI (dpbusd); each gives, per 32 weights, eight int32 sums of 4 products,
- * which are scaled and added in eight float lanes in the order the portable code spells out lane
- * by lane (the offsets in one scalar sum), so every variant returns the portable one's bits. With
- * AVX2 the common types' blocks are unpacked with vector instructions too. The variant is picked
- * at first use from the CPU's features (quant_q8_isa overrides it). This file is built for plain
- * x86-64-v2 with each variant's instructions enabled by target attributes, so the AVX2 variant
- * holds no AVX-512 instruction.
+ * A weight block is int8 levels q plus, per 16 weights, a float scale a and offset b (w = a * q + b:
+ * Q4_1's m, the K-quants' -dmin * min), so a 16-group adds dx * a * sum(q * qx) + b * dx * sum(qx).
+ * With AVX2 the common types' levels are built in registers from the file's blocks and used at once
+ * (fused_*); the portable code and the other types unpack a row into an L1 buffer first. The
+ * integer sums run per instruction set: portable C, AVX2 (maddubs + madd), AVX-512BW (the same
+ * code with AVX-512's encodings and registers), AVX-VNNI / AVX-512-VNNI (dpbusd); each gives, per
+ * 32 weights, eight int32 sums of 4 products, scaled and added in eight float lanes in the order
+ * the portable code spells out lane by lane, so every variant returns the portable one's bits. The
+ * variant is picked at first use from the CPU's features (quant_q8_isa overrides it). This file is
+ * built for plain x86-64-v2 with each variant's instructions enabled by target attributes, so the
+ * AVX2 variant holds no AVX-512 instruction.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -370,11 +370,11 @@ __attribute__((target("avx2,fma"))) static void quant_q8_activations_avx2(const 
     }
 }
 
-/* The activations of a product, quantized once: M rows of K. */
+/* One row of K activations, quantized once per product. */
 typedef struct {
     const int8_t *q;
     const float *dx, *xs;
-    int64_t M, K;
+    int64_t K;
 } acts_t;
 
 /* The lanes' sum in one fixed order. */
@@ -412,13 +412,13 @@ __attribute__((target("avx2,fma"))) static float offsets_fma(const float *b, con
 
 /* One unpacked weight row (levels q, scales a and offsets b per 16) times activation row m, over
  * nc chunks of 32; without the offsets. */
-typedef float (*dot_fn)(const int8_t *q, const float *a, const acts_t *x, int64_t m, int per16);
+typedef float (*dot_fn)(const int8_t *q, const float *a, const acts_t *x, int per16);
 
-static float dot_portable(const int8_t *q, const float *a, const acts_t *x, int64_t m, int per16) {
+static float dot_portable(const int8_t *q, const float *a, const acts_t *x, int per16) {
     (void)per16;
     const int64_t K = x->K;
-    const int8_t *qx = x->q + m * K;
-    const float *dx = x->dx + m * (K / 32);
+    const int8_t *qx = x->q;
+    const float *dx = x->dx;
     float acc[2][8] = {{0}};
     for (int64_t i = 0; i < K / 32; i++)
         for (int l = 0; l < 8; l++) {
@@ -443,11 +443,11 @@ static float dot_portable(const int8_t *q, const float *a, const acts_t *x, int6
             accv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P32(vw, vx)), t, accv);                   \
         } while (0)
 #define DOT_VARIANT(name, isa, P32)                                                                          \
-    __attribute__((target(isa))) static float name(const int8_t *q, const float *a, const acts_t *x, int64_t m, \
+    __attribute__((target(isa))) static float name(const int8_t *q, const float *a, const acts_t *x,          \
                                                    int per16) {                                             \
         const int64_t K = x->K, nc = K / 32;                                                                 \
-        const int8_t *qx = x->q + m * K;                                                                     \
-        const float *dx = x->dx + m * nc;                                                                    \
+        const int8_t *qx = x->q;                                                                             \
+        const float *dx = x->dx;                                                                             \
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                            \
         int64_t i = 0;                                                                                       \
         for (; i + 1 < nc; i += 2) {                                                                         \
@@ -493,7 +493,7 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
         }                                                                                          \
     } while (0)
 
-/* fused_<sfx>(row, type, x, m, y): 1 when it served the type (y set), else 0. */
+/* fused_<sfx>(row, type, x, y): 1 when it served the type (y set), else 0. */
 #define FUSED_VARIANT(sfx, isa, P32)                                                                          \
     __attribute__((target(isa), always_inline)) static inline float fused32_##sfx(                            \
             const uint8_t *row, const int64_t type, const int8_t *qx, const float *dx, const float *xs, int64_t nc) { \
@@ -530,11 +530,11 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
         }                                                                                                     \
         return finish_row(acc0, acc1, o, offset);                                                         \
     }                                                                                                         \
-    __attribute__((target(isa))) static int fused_##sfx(const uint8_t *row, int64_t type, const acts_t *x, int64_t m, \
+    __attribute__((target(isa))) static int fused_##sfx(const uint8_t *row, int64_t type, const acts_t *x,    \
                                                        float *y) {                                            \
         const int64_t K = x->K, nc = K / 32;                                                                  \
-        const int8_t *qx = x->q + m * K;                                                                      \
-        const float *dx = x->dx + m * nc, *xs = x->xs + m * (K / 16);                                         \
+        const int8_t *qx = x->q;                                                                              \
+        const float *dx = x->dx, *xs = x->xs;                                                                 \
         switch (type) {                                                                                       \
             case QT_Q4_0: *y = fused32_##sfx(row, QT_Q4_0, qx, dx, xs, nc); return 1;                         \
             case QT_Q4_1: *y = fused32_##sfx(row, QT_Q4_1, qx, dx, xs, nc); return 1;                         \
@@ -553,7 +553,7 @@ FUSED_VARIANT(avx2, "avx2,fma,f16c", P32_MADDUBS)
 FUSED_VARIANT(avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32_MADDUBS)
 FUSED_VARIANT(avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI)
 FUSED_VARIANT(avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI)
-typedef int (*fused_fn)(const uint8_t *row, int64_t type, const acts_t *x, int64_t m, float *y);
+typedef int (*fused_fn)(const uint8_t *row, int64_t type, const acts_t *x, float *y);
 static const fused_fn FUSED[ISA_COUNT] = {NULL, fused_avx2, fused_avx512bw, fused_avxvnni, fused_avx512vnni};
 
 /* Row n of w -> levels q[K], and per 16 weights the scale a and offset b. */
@@ -569,32 +569,27 @@ static void unpack_row(const uint8_t *bl, int64_t type, int64_t K, int8_t *q, fl
         unpack_block(bl, type, q, a, b);
 }
 
-void quant_gemm_q8(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
+/* y[N] = x[K] @ w[N, K]^T for one activation row (quant_gemm calls this for one row only). */
+void quant_gemv_q8(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int64_t type) {
     const int64_t isa = quant_q8_isa(-2);
     const dot_fn dot = DOTS[isa];
     const fused_fn fused = FUSED[isa];
     const int64_t row_bytes = K / qt_block(type) * qt_bytes(type), G = K / 16;
     const int offset = has_offset(type), per16 = type == QT_Q2_K || type == QT_Q3_K || type == QT_Q6_K;
-    int8_t *qx = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * K / 32)), *xs = malloc(sizeof(float) * (size_t)(M * G));
-    #pragma omp parallel for schedule(static) if (M > 4)
-    for (int64_t m = 0; m < M; m++)
-        (isa == ISA_PORTABLE ? quant_q8_activations : quant_q8_activations_avx2)(x + m * K, K, qx + m * K, dx + m * K / 32,
-                                                                                  xs + m * G);
-    const acts_t acts = {qx, dx, xs, M, K};
+    int8_t *qx = malloc((size_t)K);
+    float *dx = malloc(sizeof(float) * (size_t)(K / 32)), *xs = malloc(sizeof(float) * (size_t)G);
+    (isa == ISA_PORTABLE ? quant_q8_activations : quant_q8_activations_avx2)(x, K, qx, dx, xs);
+    const acts_t acts = {qx, dx, xs, K};
     #pragma omp parallel
     {
         int8_t *q = malloc((size_t)K);
         float *a = malloc(sizeof(float) * (size_t)G), *b = malloc(sizeof(float) * (size_t)G);
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            if (M == 1 && fused && fused(w + n * row_bytes, type, &acts, 0, y + n)) continue;
+            if (fused && fused(w + n * row_bytes, type, &acts, y + n)) continue;
             if (isa == ISA_PORTABLE) unpack_row(w + n * row_bytes, type, K, q, a, b);
             else unpack_row_avx2(w + n * row_bytes, type, K, q, a, b);
-            for (int64_t m = 0; m < M; m++) {
-                const float s = dot(q, a, &acts, m, per16);
-                y[m * N + n] = s + (offset ? (isa == ISA_PORTABLE ? offsets_portable : offsets_fma)(b, xs + m * G, K / 32) : 0.f);
-            }
+            y[n] = dot(q, a, &acts, per16) + (offset ? (isa == ISA_PORTABLE ? offsets_portable : offsets_fma)(b, xs, K / 32) : 0.f);
         }
         free(q); free(a); free(b);
     }
