@@ -170,3 +170,24 @@ def test_bad_tools_name_the_field(tools, choice, says):
         tool_spec(tools, choice, None)
     assert e.value.status == 400 and says in e.value.message
     assert e.value.param.startswith("tool_choice" if choice not in ("auto",) else "tools")
+
+
+def test_every_route_asks_for_the_same_tool_settings():
+    """chat, responses and messages all take their sampling overrides from tool_overrides: the grammar
+    for required / named calls, and special tokens kept under auto when the call marker is one
+    (responses and messages once dropped Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|>)."""
+    import inspect
+
+    from ferry.server.anthropic import messages
+    from ferry.server.openai import chat, responses
+    from ferry.server.openai.chat import tool_overrides
+
+    auto = tool_spec([WEATHER], "auto", None)
+    assert tool_overrides(auto, PARSERS["mistral"]) == {"skip_special_tokens": False}
+    assert tool_overrides(auto, PARSERS["llama3_json"]) == {"skip_special_tokens": False}
+    assert tool_overrides(auto, PARSERS["hermes"]) == {}
+    assert tool_overrides(None, PARSERS["mistral"]) == {}
+    named = tool_spec([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert set(tool_overrides(named, PARSERS["mistral"])) == {"structured_outputs"}
+    for route in (chat.chat, responses.responses, messages.messages):
+        assert "tool_overrides(spec, parser)" in inspect.getsource(route), route.__name__

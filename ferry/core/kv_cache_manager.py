@@ -130,6 +130,12 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         request.num_cached_blocks = full
 
+    def after_step(self, request: Request) -> None:
+        """A step computed more of ``request``: register its newly full blocks, then give back those
+        its window has passed (in that order, so a cached prefix stays whole)."""
+        self.cache_blocks(request)
+        self.release_outside_window(request)
+
     def release_outside_window(self, request: Request) -> None:
         """Give back ``request``'s blocks that lie wholly before every future query's window (after a
         step, its computed tokens final). Cached blocks stay in the prefix cache for others."""

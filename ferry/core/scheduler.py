@@ -364,8 +364,7 @@ class Scheduler:
                 changed.append(req)
                 continue
             if not chunk.samples:
-                self.kv.cache_blocks(req)
-                self.kv.release_outside_window(req)
+                self.kv.after_step(req)
                 continue  # a prefill chunk short of the prompt's end: no token yet
             tokens = result.sampled[rid]
             if chunk.spec_token_ids:
@@ -387,11 +386,9 @@ class Scheduler:
                 status = self._check_stop(req, token)
                 if status is not None:
                     break  # later accepted drafts are dropped
-            self.kv.cache_blocks(req)  # before a finish frees them: a finished prefix is reusable
+            self.kv.after_step(req)  # before a finish frees them: a finished prefix is reusable
             if status is not None:
                 self.finish_request(req, status)
-            else:
-                self.kv.release_outside_window(req)
             changed.append(req)
         return changed
 

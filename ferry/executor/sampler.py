@@ -208,7 +208,8 @@ def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[CachedRequest, int, 
     out: dict[str, tuple[int, list[dict[int, float]]]] = {}
     row = 0
     for req, first, n in spans:
-        targets = torch.tensor(req.prompt_token_ids[first:first + n], dtype=torch.long, device=logits.device)
+        ids = req.prompt_token_ids[first:first + n]
+        targets = torch.tensor(ids, dtype=torch.long, device=logits.device)
         k = req.sampling_params.prompt_logprobs
         entries: list[dict[int, float]] = []
         for lo in range(0, n, PROMPT_LOGPROB_BLOCK):
@@ -219,7 +220,7 @@ def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[CachedRequest, int, 
             top = block.topk(k, dim=-1) if k else None
             top_ids = top.indices.tolist() if top is not None else None
             top_vals = (top.values - lse).tolist() if top is not None else None
-            for i, (tid, v) in enumerate(zip(tids.tolist(), own)):
+            for i, (tid, v) in enumerate(zip(ids[lo:lo + block.shape[0]], own)):
                 entry = {tid: v}
                 if top_ids is not None:
                     entry.update(zip(top_ids[i], top_vals[i]))

@@ -36,10 +36,6 @@ class Delta:
     def finish_reason(self) -> str | None:
         return self.completion.finish_reason if self.finished else None
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.completion.token_ids[self.token_start:]
-
 
 class StreamFailed(Exception):
     """A request in the stream failed in the engine or was aborted by the server."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferry.server.tools.parsers.base import partial_suffix
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -58,7 +60,7 @@ class ReasoningStream:
                     self.pending, self.state = self.pending[i + len(self.p.end):], "after"
                     self.strip_newlines = True  # templates put "\n\n" between the think block and the answer
                     continue
-                keep = 0 if finished else _partial_suffix(self.pending, self.p.end)
+                keep = 0 if finished else partial_suffix(self.pending, self.p.end)
                 reasoning.append(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -75,9 +77,3 @@ class ReasoningStream:
         r, c = self.feed(text, finished=True)
         return (r if self.saw else None), c
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0

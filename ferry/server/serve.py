@@ -19,6 +19,8 @@ log = logging.getLogger("ferry.serve")
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     from ferry.server.app import DEFAULT_MAX_REQUEST_BYTES
+    from ferry.server.reasoning import REASONING_PARSERS
+    from ferry.server.tools.parsers import PARSERS
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
@@ -36,9 +38,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them")
     g.add_argument("--log-level", default="info")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral", "generic_json"],
+                   choices=sorted(PARSERS),
                    help="the format the model writes tool calls in (default: read from the chat template)")
-    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "think"],
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think>...</think> text into reasoning_content (default: off)")
     from ferry.server.router import add_router_args
 

@@ -15,7 +15,7 @@ from ferry.server.anthropic.errors import anthropic_error_body
 from ferry.server.context import ServerContext, context
 from ferry.server.errors import APIError
 from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
-from ferry.server.openai.chat import ChoiceText, chat_prompt, tool_parser
+from ferry.server.openai.chat import ChoiceText, chat_prompt, tool_overrides, tool_parser
 from ferry.server.protocol import ChatCompletionRequest, Number
 from ferry.server.tools.calls import ToolCall
 
@@ -168,10 +168,9 @@ async def messages(body: MessagesRequest, raw: Request):
     sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], max_tokens=body.max_tokens,
                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                      stop=body.stop_sequences)
-    override: dict[str, Any] = {"structured_outputs": spec.grammar()} if spec is not None and spec.constrained else {}
-    sp = ctx.params(sampling, body.max_tokens, None, None, **override)
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     parser = tool_parser(ctx)
+    sp = ctx.params(sampling, body.max_tokens, None, None, **tool_overrides(spec, parser))
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return StreamingResponse(_events(ctx, stream, spec, parser, sp.stop, mid), media_type="text/event-stream")

@@ -93,6 +93,17 @@ async def chat_prompt(ctx: ServerContext, messages: list[Any], tools: list[dict[
     return spec, prompt
 
 
+def tool_overrides(spec: ToolSpec | None, parser: ToolParser) -> dict[str, Any]:
+    """The sampling settings a request's tools ask for (every route that takes tools): the grammar of
+    a required or named call, and under `auto` the special tokens kept when the parser's call
+    marker is one (Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>)."""
+    if spec is None:
+        return {}
+    if spec.constrained:
+        return {"structured_outputs": spec.grammar()}
+    return {"skip_special_tokens": False} if spec.choice == "auto" and parser.special_markers else {}
+
+
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request):
     ctx = context(raw)
@@ -109,15 +120,11 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     max_tokens = getattr(body, field)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"{field} must be an integer >= 1, got {max_tokens}", param=field)
-    override: dict[str, Any] = {}
-    if spec is not None and spec.constrained:
-        if body.structured() is not None:
-            raise APIError(400, "tool_choice 'required' or a named function already constrains the output; "
-                           "send no response_format or structured_outputs with it", param="tool_choice")
-        override["structured_outputs"] = spec.grammar()
-    elif spec is not None and spec.choice == "auto" and parser.special_markers:
-        override["skip_special_tokens"] = False  # the call's marker is a special token
-    sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs, **override)
+    if spec is not None and spec.constrained and body.structured() is not None:
+        raise APIError(400, "tool_choice 'required' or a named function already constrains the output; "
+                       "send no response_format or structured_outputs with it", param="tool_choice")
+    sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs,
+                    **tool_overrides(spec, parser))
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name}

@@ -15,7 +15,7 @@ from ferry.engine.async_engine import EngineDead
 from ferry.server.context import ServerContext, context
 from ferry.server.errors import APIError
 from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
-from ferry.server.openai.chat import ChoiceText, chat_prompt, text_content, tool_parser
+from ferry.server.openai.chat import ChoiceText, chat_prompt, text_content, tool_overrides, tool_parser
 from ferry.server.protocol import ChatCompletionRequest, Number
 
 router = APIRouter()
@@ -150,10 +150,9 @@ async def responses(body: ResponsesRequest, raw: Request):
     spec, prompt = await chat_prompt(ctx, conversation(body), tools, choice, body.parallel_tool_calls, None)
     sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], temperature=body.temperature,
                                      top_p=body.top_p)
-    override: dict[str, Any] = {"structured_outputs": spec.grammar()} if spec is not None and spec.constrained else {}
-    sp = ctx.params(sampling, body.max_output_tokens, None, None, **override)
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     parser = tool_parser(ctx)
+    sp = ctx.params(sampling, body.max_output_tokens, None, None, **tool_overrides(spec, parser))
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         return StreamingResponse(_events(ctx, body, stream, spec, parser, sp.stop, rid, created),

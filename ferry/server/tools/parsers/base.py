@@ -68,7 +68,6 @@ class ToolStream:
         self.pending = ""  # text not yet given back: a possible marker's start, or a call's body
         self.in_call = False
         self.at_start = True  # nothing but whitespace seen yet
-        self.calls: list[ToolCall] = []
 
     def feed(self, text: str, finished: bool = False) -> tuple[str, list[ToolCall]]:
         """Content and calls completed by ``text``; with ``finished``, everything left."""
@@ -113,15 +112,14 @@ class ToolStream:
                 content.append(self.pending[:i])
                 self.pending, self.in_call = self.pending[i + len(p.start):], True
                 continue
-            keep = 0 if finished else _partial_suffix(self.pending, p.start)
+            keep = 0 if finished else partial_suffix(self.pending, p.start)
             content.append(self.pending[:len(self.pending) - keep])
             self.pending = self.pending[len(self.pending) - keep:]
             break
-        self.calls += calls
         return "".join(content), calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that begins ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
