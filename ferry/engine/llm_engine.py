@@ -141,9 +141,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if vocab is not None and sp.logit_bias and any(t >= vocab for t in sp.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        room = (self.config.max_model_len or 0) - len(token_ids)
+        room = self.config.max_model_len - len(token_ids)  # set by now: the scheduler asserts it
         # A prompt that leaves no room at all is refused for its length, later.
-        if self.config.max_model_len is not None and 0 < room < sp.min_tokens:
+        if 0 < room < sp.min_tokens:
             raise ValueError(f"min_tokens ({sp.min_tokens}) is more than can ever be generated: the prompt's "
                              f"{len(token_ids)} tokens leave {room} of max_model_len "
                              f"({self.config.max_model_len})")
