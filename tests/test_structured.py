@@ -202,6 +202,43 @@ def test_matchers_are_dropped_when_requests_finish_or_abort(llm):
     assert not sampler._matchers
 
 
+def test_a_queued_request_keeps_its_grammar_when_the_cache_drops_it(llm, monkeypatch):
+    """The step loop never compiles: a grammar evicted from the cache while its request waited
+    (or while its matcher was dropped) is still the request's own."""
+    grammars = llm.engine.executor.grammars
+    monkeypatch.setattr(grammars, "cache_size", 1)
+    spec = SO(regex="[0-9]{3}-[a-z]{3}")
+    llm.engine.add_request(PROMPT, SamplingParams(max_tokens=8, structured_outputs=spec), request_id="held")
+    grammars.validate(SO(regex="[q-z]{2,9}"))  # a later request's compile evicts the first
+    assert ("regex", spec.regex) not in grammars._cache
+    compiles = grammars.num_compiles
+    monkeypatch.setattr(grammars, "compile", lambda s: pytest.fail("compiled on the step loop"))
+    outs = {}
+    while llm.engine.has_unfinished():
+        outs.update({o.request_id: o for o in llm.engine.step()})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{3}", outs["held"].outputs[0].text)
+    assert grammars.num_compiles == compiles
+    run(llm, [PROMPT], SamplingParams(max_tokens=1))  # its first step lets go of the finished one
+    assert "held" not in grammars._held
+
+
+def test_a_grammar_compiled_in_one_process_loads_in_another(llm):
+    """A tensor-parallel driver hands rank 0 its compiled grammars: loaded, not compiled again,
+    and allowing exactly what the original allows."""
+    ex = llm.engine.executor
+    spec = SO(json=SCHEMA)
+    ex.grammars.hold("r", ex.grammars.validate(spec))
+    other = GrammarCompiler(ex.tokenizer, ex.vocab_size, ex.eos_token_ids)
+    other.hold_serialized("r", ex.grammars.serialized("r"))
+    a, b = ex.grammars.new_request(spec, "r"), other.new_request(spec, "r")
+    assert other.num_compiles == 0
+    toks = llm.tokenizer.encode(json.dumps(INSTANCE))
+    for k in (0, 1, 5, len(toks)):
+        assert torch.equal(_allowed(a, toks[:k], ex.vocab_size), _allowed(b, toks[:k], ex.vocab_size))
+    ex.grammars.release(["r"])
+    other.close()
+
+
 def _allowed(grammar, prefix: list[int], vocab: int) -> torch.Tensor:
     row = torch.zeros(vocab)
     grammar.mask(row, prefix)

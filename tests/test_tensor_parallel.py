@@ -4,6 +4,7 @@ the engine with an error that names it, never a hang."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -12,6 +13,7 @@ import torch
 
 from ferry import LLM, SamplingParams
 from ferry.core.outputs import ExecutorDead
+from ferry.core.sampling_params import StructuredOutputs
 from ferry.model.config import ModelConfig
 from ferry.model.quant import QuantWeight, dequantize, repack
 from ferry.model.tensor_parallel import ShardPlan, shard_cols, shard_rows, split
@@ -84,6 +86,15 @@ def test_greedy_tokens_match_one_process(llm, tp_llm, parity_prompts):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, f"prompt of {len(prompt)} tokens diverges"
     # the ranks really split the model: each holds part of the heads
     assert tp_llm.engine.executor.model_config.num_heads == 9
+
+
+def test_structured_outputs_match_one_process(llm, tp_llm):
+    # Rank 0 samples with the grammar the driver compiled (sent with the request's first step).
+    sp = SamplingParams(temperature=0, max_tokens=12,
+                        structured_outputs=StructuredOutputs(regex="[0-9]{3}-[a-z]{4}"))
+    a = llm.generate(["Codes:"], sp, use_tqdm=False)[0].outputs[0].text
+    b = tp_llm.generate(["Codes:"], sp, use_tqdm=False)[0].outputs[0].text
+    assert b == a and re.fullmatch("[0-9]{3}-[a-z]{4}", b)
 
 
 def test_chunks_preemption_and_speculation_match_one_process(parity_prompts):

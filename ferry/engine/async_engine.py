@@ -259,11 +259,12 @@ class AsyncEngine:
         check_queueable(len(subs), limit)
         engine = self.engine
         token_ids: dict[int, list[int]] = {}  # by prompt object: n copies share one tokenization
+        grammars: list[Any] = []  # compiled here, outside the lock, and held by each request
         for sub in subs:
             if id(sub.prompt) not in token_ids:
                 token_ids[id(sub.prompt)] = sub.token_ids if sub.token_ids is not None else \
                     engine.tokenize(sub.prompt) if isinstance(sub.prompt, str) else list(sub.prompt)
-            engine.check_request(token_ids[id(sub.prompt)], sub.params)
+            grammars.append(engine.check_request(token_ids[id(sub.prompt)], sub.params))
         with self.lock:
             sched = engine.scheduler
             if limit is not None and sched.num_waiting + len(subs) > limit:
@@ -274,9 +275,9 @@ class AsyncEngine:
             stream = Stream(self, ids)
             added: list[str] = []
             try:
-                for rid, sub in zip(ids, subs):
+                for rid, sub, grammar in zip(ids, subs, grammars):
                     engine.add_request(token_ids[id(sub.prompt)], sub.params, request_id=rid,
-                                       priority=sub.priority,
+                                       priority=sub.priority, grammar=grammar,
                                        prompt_text=sub.prompt if isinstance(sub.prompt, str) else None)
                     added.append(rid)
             except Exception:

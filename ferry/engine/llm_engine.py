@@ -97,25 +97,28 @@ class LLMEngine:
     # ------------------------------------------------------------------ API
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0, prompt_text: str | None = None) -> Request:
+                    priority: int = 0, prompt_text: str | None = None, grammar: Any = None) -> Request:
         """Queue one request; returns its token-level state (the scheduler's). Raises ValueError
         (naming the problem) if it can never be served.
 
         ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier
-        (a server tokenizes outside the engine's lock, with ``tokenize``).
+        (a server tokenizes outside the engine's lock, with ``tokenize``), and ``grammar`` what
+        ``check_request`` returned for ``sampling_params`` (a server checks outside it too).
         """
         sp = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenize(prompt)
         else:
             token_ids = list(prompt)
-        self.check_request(token_ids, sp)
+        grammar = self.check_request(token_ids, sp, grammar)
         req = Request(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
             prompt_token_ids=token_ids, sampling_params=sp,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids, priority=priority)
         self.scheduler.add_request(req)
+        if grammar is not None:
+            self.executor.hold_grammar(req.request_id, grammar)
         self.output_processor.add_request(req, prompt_text)
         return req
 
@@ -131,9 +134,11 @@ class LLMEngine:
         assert self.tokenizer is not None and self.config.max_model_len is not None
         check_text_length(chars, what, self.config.max_model_len, self.tokenizer)
 
-    def check_request(self, token_ids: list[int], sp: SamplingParams) -> None:
-        """Raise ValueError, naming the field, for what no step could serve. Safe to call
-        without holding the engine (it reads only settings): a server checks before queueing."""
+    def check_request(self, token_ids: list[int], sp: SamplingParams, grammar: Any = None) -> Any:
+        """Raise ValueError, naming the field, for what no step could serve; returns the request's
+        compiled grammar (or None; ``grammar``, compiled by an earlier check, is not checked
+        again). Safe to call without holding the engine (it reads only settings): a server
+        checks before queueing."""
         if not token_ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
         vocab = getattr(self.executor, "vocab_size", None)
@@ -150,8 +155,7 @@ class LLMEngine:
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detect them")
         check = getattr(self.executor, "check_sampling_params", None)
-        if check is not None:
-            check(sp)
+        return grammar if grammar is not None or check is None else check(sp)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; its KV blocks return to the pool at once. Returns its last output."""

@@ -25,7 +25,8 @@ class PackedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
+    logits_indices: torch.Tensor  # the sampling rows
+    prompt_indices: torch.Tensor  # the prompt-logprob rows (their logits are made a block at a time)
     # Requests that sample, in row order, each with its chunk (1 + len(spec_token_ids) rows).
     sampling: list[tuple[CachedRequest, ScheduledChunk]]
     # Requests that score prompt tokens: (request, index of the first token scored, how many).
@@ -37,7 +38,7 @@ class PackedBatch:
             return self
         return PackedBatch(self.input_ids.to(device, non_blocking=True), self.positions.to(device, non_blocking=True),
                            self.meta.to(device), self.logits_indices.to(device, non_blocking=True),
-                           self.sampling, self.prompt_spans)
+                           self.prompt_indices.to(device, non_blocking=True), self.sampling, self.prompt_spans)
 
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -126,5 +127,5 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),
-        meta=meta, logits_indices=torch.tensor(logit_rows + prompt_rows, dtype=torch.long),
-        sampling=sampling, prompt_spans=prompt_spans)
+        meta=meta, logits_indices=torch.tensor(logit_rows, dtype=torch.long),
+        prompt_indices=torch.tensor(prompt_rows, dtype=torch.long), sampling=sampling, prompt_spans=prompt_spans)

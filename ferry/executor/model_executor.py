@@ -145,10 +145,14 @@ class ModelExecutor:
         self.tick: Callable[[str], None] = no_tick
         self.matmul_precision = config.fp32_matmul_precision
 
-    def check_sampling_params(self, sp: SamplingParams) -> None:
-        """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar."""
-        if sp.structured_outputs is not None:
-            self.grammars.validate(sp.structured_outputs)
+    def check_sampling_params(self, sp: SamplingParams) -> Any:
+        """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar
+        and returns it (for ``hold_grammar``), or None."""
+        return None if sp.structured_outputs is None else self.grammars.validate(sp.structured_outputs)
+
+    def hold_grammar(self, request_id: str, compiled: Any) -> None:
+        """Keep a queued request's compiled grammar until it ends (the cache may drop it meanwhile)."""
+        self.grammars.hold(request_id, compiled)
 
     def set_profiler(self, profiler: StepProfiler | None) -> None:
         """Report the parts of each step to ``profiler`` (``LLMEngine.enable_profiling``)."""
@@ -171,18 +175,21 @@ class ModelExecutor:
         self.tick("pack")
         return batch
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling rows' logits and the scored prompt rows (see ``LlamaModel.forward``)."""
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                  batch.logits_indices)
+                                  batch.logits_indices, batch.prompt_indices)
 
-    def sample(self, batch: PackedBatch, logits: torch.Tensor) -> ModelRunnerOutput:
-        """Sample (and score prompt tokens) from the logits; record the new tokens."""
+    def sample(self, batch: PackedBatch, out: tuple[torch.Tensor, torch.Tensor | None]) -> ModelRunnerOutput:
+        """Sample (and score prompt tokens) from the forward pass's output; record the new tokens."""
+        logits, prompt_rows = out
         result = ModelRunnerOutput()
-        n = sum(c.num_sampling_rows for _, c in batch.sampling)
-        if n:
-            result.sampled, result.logprobs = self.sampler.sample(logits[:n], batch.sampling)
+        if batch.sampling:
+            result.sampled, result.logprobs = self.sampler.sample(logits, batch.sampling)
         if batch.prompt_spans:
-            result.prompt_logprobs = prompt_logprobs(logits[n:], batch.prompt_spans)
+            # A tensor-parallel model has already projected its prompt rows (a collective of all ranks).
+            project = self.model.project if self.model.comm is None else None
+            result.prompt_logprobs = prompt_logprobs(prompt_rows, batch.prompt_spans, project)
         self.states.append_tokens(result.sampled)
         self.tick("sample")
         return result

@@ -3,6 +3,7 @@ verification of speculative drafts."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -75,6 +76,8 @@ class Sampler:
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop per-request state (grammar matchers) of finished or aborted requests."""
+        if self.grammars is not None:
+            self.grammars.release(request_ids)
         if self._matchers:
             for rid in request_ids:
                 self._matchers.pop(rid, None)
@@ -86,7 +89,7 @@ class Sampler:
             return entry[1]
         if self.grammars is None:
             raise ValueError("structured_outputs are not supported by this executor")
-        g = self.grammars.new_request(req.sampling_params.structured_outputs)
+        g = self.grammars.new_request(req.sampling_params.structured_outputs, req.request_id)
         self._matchers[req.request_id] = (req, g)
         while len(self._matchers) > MAX_GRAMMARS:
             self._matchers.popitem(last=False)
@@ -199,21 +202,24 @@ def verify(drafts: list[int], sampled: list[int]) -> list[int]:
 PROMPT_LOGPROB_BLOCK = 64
 
 
-def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[CachedRequest, int, int]]
+def prompt_logprobs(rows: torch.Tensor, spans: list[tuple[CachedRequest, int, int]],
+                    project: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> dict[str, tuple[int, list[dict[int, float]]]]:
     """Logprobs of prompt tokens from the rows that precede them (``spans`` as in PackedBatch):
-    each token's own logprob plus the top ``prompt_logprobs`` alternatives. Computed
-    ``PROMPT_LOGPROB_BLOCK`` rows at a time as logit - logsumexp(row): only the rows' own and
-    top-k values are kept, never a log-softmax of the whole chunk."""
+    each token's own logprob plus the top ``prompt_logprobs`` alternatives. ``rows`` are logits,
+    or hidden states that ``project`` turns into logits. Computed ``PROMPT_LOGPROB_BLOCK`` rows at
+    a time as logit - logsumexp(row): only the rows' own and top-k values are kept, never the
+    logits of the whole chunk."""
     out: dict[str, tuple[int, list[dict[int, float]]]] = {}
     row = 0
     for req, first, n in spans:
         ids = req.prompt_token_ids[first:first + n]
-        targets = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        targets = torch.tensor(ids, dtype=torch.long, device=rows.device)
         k = req.sampling_params.prompt_logprobs
         entries: list[dict[int, float]] = []
         for lo in range(0, n, PROMPT_LOGPROB_BLOCK):
-            block = logits[row + lo:row + min(n, lo + PROMPT_LOGPROB_BLOCK)].float()
+            block = rows[row + lo:row + min(n, lo + PROMPT_LOGPROB_BLOCK)]
+            block = (block if project is None else project(block)).float()
             lse = torch.logsumexp(block, dim=-1, keepdim=True)
             tids = targets[lo:lo + block.shape[0]]
             own = (block.gather(1, tids[:, None]) - lse)[:, 0].tolist()

@@ -137,10 +137,14 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.max_compile_seconds = max_compile_seconds
         self._compiler: "xgr.GrammarCompiler | None" = None
+        self._tokenizer_info: "xgr.TokenizerInfo | None" = None
         self._cache: OrderedDict[tuple[str, str], "xgr.CompiledGrammar"] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}  # compiling now (or queued)
         self._slow: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._jobs: "queue.SimpleQueue[tuple[Future, str, str]] | None" = None
+        # request id -> its compiled grammar, from its check to its end: the step loop never
+        # compiles a grammar the cache let go of while the request waited.
+        self._held: dict[str, "xgr.CompiledGrammar"] = {}
         self._lock = threading.Lock()
         self.num_compiles = 0  # compiles started (cache misses that were not already compiling)
 
@@ -162,6 +166,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
                                  stop_token_ids=list(self.stop_token_ids),
                                  add_prefix_space=meta["add_prefix_space"])
+        self._tokenizer_info = info
         # xgrammar's own cache has no size limit by default: ours (an LRU) replaces it. One thread:
         # compiles take at most one core from the steps.
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -266,13 +271,42 @@ class GrammarCompiler:
         except (FutureTimeout, CancelledError):
             raise self.timed_out(spec, f) from None
 
-    def validate(self, spec: StructuredOutputs) -> None:
-        """Compile ``spec`` (caching it for the request) or raise ValueError naming the field."""
-        self.compile(spec)
+    def validate(self, spec: StructuredOutputs) -> "xgr.CompiledGrammar":
+        """Compile ``spec`` (caching it) and return it, or raise ValueError naming the field."""
+        return self.compile(spec)
 
-    def new_request(self, spec: StructuredOutputs) -> RequestGrammar:
-        """A fresh matcher for one request, at the start of the grammar."""
-        return RequestGrammar(self.compile(spec), self.vocab_size, self.stop_token_ids)
+    def hold(self, request_id: str, compiled: "xgr.CompiledGrammar") -> None:
+        """Keep ``request_id``'s compiled grammar until ``release``: its matcher is built from it."""
+        with self._lock:
+            self._held[request_id] = compiled
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Let go of the grammars of finished requests."""
+        if self._held:
+            with self._lock:
+                for rid in request_ids:
+                    self._held.pop(rid, None)
+
+    def serialized(self, request_id: str) -> str | None:
+        """The held grammar of ``request_id`` as text another process can load (``hold_serialized``)."""
+        compiled = self._held.get(request_id)
+        return None if compiled is None else compiled.serialize_json()
+
+    def hold_serialized(self, request_id: str, text: str) -> None:
+        """Hold a grammar compiled in another process for the same tokenizer (a tensor-parallel
+        driver's): loading it costs far less than compiling it again on the step loop."""
+        if self._compiler is None:
+            self._compiler = self._build()
+        import xgrammar as xgr
+
+        self.hold(request_id, xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info))
+
+    def new_request(self, spec: StructuredOutputs, request_id: str | None = None) -> RequestGrammar:
+        """A fresh matcher for one request, at the start of the grammar (the request's held one)."""
+        compiled = self._held.get(request_id) if request_id is not None else None
+        if compiled is None:
+            compiled = self.compile(spec)
+        return RequestGrammar(compiled, self.vocab_size, self.stop_token_ids)
 
     def close(self) -> None:
         """Stop the compile thread (a compile under way finishes first, in the background)."""

@@ -98,19 +98,29 @@ class TensorParallelExecutor:
         ready = self._replies(LOAD_TIMEOUT_S)
         self.num_kv_blocks = ready[0]
 
-    def check_sampling_params(self, sp: SamplingParams) -> None:
-        """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar."""
-        if sp.structured_outputs is not None:
-            self.grammars.validate(sp.structured_outputs)
+    def check_sampling_params(self, sp: SamplingParams) -> Any:
+        """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar
+        and returns it (for ``hold_grammar``), or None."""
+        return None if sp.structured_outputs is None else self.grammars.validate(sp.structured_outputs)
+
+    def hold_grammar(self, request_id: str, compiled: Any) -> None:
+        """Keep a queued request's compiled grammar until it ends (the cache may drop it meanwhile)."""
+        self.grammars.hold(request_id, compiled)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.dead is not None:
             raise ExecutorDead(self.dead)
-        msg = pickle.dumps((out, self._pending), protocol=pickle.HIGHEST_PROTOCOL)
+        # Rank 0 samples: it gets the grammars of new requests as the driver compiled them, so it
+        # never compiles one on the step loop.
+        grammars = {r.request_id: g for r in out.new_requests
+                    if (g := self.grammars.serialized(r.request_id)) is not None}
+        self.grammars.release(out.finished_req_ids)
+        msg = pickle.dumps((out, self._pending, {}), protocol=pickle.HIGHEST_PROTOCOL)
+        first = pickle.dumps((out, self._pending, grammars), protocol=pickle.HIGHEST_PROTOCOL) if grammars else msg
         self._pending = {}
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send_bytes(msg)
+                conn.send_bytes(first if rank == 0 else msg)
             except OSError as e:
                 self._die(f"tensor-parallel rank {rank} is gone ({e})")
         result = self._replies(self.timeout + REPLY_GRACE_S)[0]
@@ -206,11 +216,13 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Any) -> None:
             break  # the driver is gone
         if msg is None:
             break
-        out, sampled_before = msg
+        out, sampled_before, grammars = msg
         if rank:  # rank 0 recorded its own tokens when it sampled them
             ex.states.append_tokens({rid: t for rid, t in sampled_before.items() if rid in ex.states.requests})
         error = None
         try:
+            for rid, text in grammars.items():
+                ex.grammars.hold_serialized(rid, text)
             batch = ex.prepare(out)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -220,7 +232,7 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Any) -> None:
             conn.send(("error", error or OTHER_RANK_FAILED))
             continue
         try:
-            logits = ex.forward(batch)
+            forward = ex.forward(batch)
         except Exception as e:  # inside the collectives: the ranks may be out of step, stop
             conn.send(("fatal", f"{type(e).__name__}: {e}"))
             break
@@ -228,7 +240,7 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Any) -> None:
             conn.send(("ok", None))
             continue
         try:
-            conn.send(("ok", ex.sample(batch, logits)))
+            conn.send(("ok", ex.sample(batch, forward)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
     if dist.is_initialized():

@@ -249,8 +249,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
-        """Packed tokens in, float32 logits out for the rows in ``logits_indices``."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+                prompt_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed tokens in; out, float32 logits for the rows in ``logits_indices`` and, for the rows in
+        ``prompt_indices`` (scored prompt tokens), their final normed hidden states, which
+        ``project`` turns into logits a block at a time (a tensor-parallel model returns those
+        rows' logits at once, its LM head being a collective of all ranks)."""
         cfg = self.cfg
         T = input_ids.shape[0]
         hd, hq, hkv = cfg.head_dim, self.num_heads, self.num_kv_heads
@@ -260,7 +264,7 @@ class LlamaModel:
         tick("embed")
         if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
             self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
-            return self._logits(x, logits_indices, tick)
+            return self._outputs(x, logits_indices, prompt_indices, tick)
         rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos, sin = rotations[layer.rope]
@@ -297,7 +301,7 @@ class LlamaModel:
                 h = h if comm is None else comm.all_reduce(h)
             x = x + (h if layer.mlp_out_norm is None else rms_norm(h, layer.mlp_out_norm, cfg.rms_norm_eps))
             tick("down")
-        return self._logits(x, logits_indices, tick)
+        return self._outputs(x, logits_indices, prompt_indices, tick)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._lookup(input_ids)
@@ -314,14 +318,24 @@ class LlamaModel:
         x = dequantize(self.embed, local) if isinstance(self.embed, QuantWeight) else self.embed[local]
         return self.comm.all_reduce(x * mine.unsqueeze(1).to(x.dtype))
 
-    def _logits(self, x: torch.Tensor, rows: torch.Tensor, tick: Callable[[str], None]) -> torch.Tensor:
-        x = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
+    def _outputs(self, x: torch.Tensor, rows: torch.Tensor, prompt_rows: torch.Tensor | None,
+                 tick: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.project(rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps))
+        hidden = None
+        if prompt_rows is not None and prompt_rows.numel():
+            hidden = rms_norm(x[prompt_rows], self.norm, self.cfg.rms_norm_eps)
+            if self.comm is not None:
+                hidden = self.project(hidden)
+        tick("lm_head")
+        return logits, hidden
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final normed hidden states (the LM head, with any final soft-cap)."""
         # Contiguous: sampling reads rows, and a transposed product's rows are strided.
-        logits = linear(x, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
+        logits = linear(h, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
         if self.comm is not None:
             logits = self.comm.all_gather_vocab(logits)
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        tick("lm_head")
         return logits
