@@ -38,9 +38,11 @@ def hf_config(kind: str):
         return tf.Qwen3Config(head_dim=24, rope_parameters=rope("default"), **COMMON)
     if kind == "mistral":
         return tf.MistralConfig(sliding_window=8, rope_parameters=rope("default"), **COMMON)
-    if kind == "gemma3":  # layers 0-2 windowed (base 10000), layer 3 global (base 1e6, linear scaling)
+    if kind.startswith("gemma3"):  # layers 0-2 windowed (base 10000), layer 3 global (base 1e6, linear scaling)
+        # gemma3-gguf: the attention scale llama.cpp computes (1/sqrt(head_dim)), which its files cannot change.
         c = dict(COMMON, num_hidden_layers=4)
-        return tf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        return tf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=16 if kind == "gemma3-gguf" else 24,
+                                   sliding_window=8,
                                    layer_types=["sliding_attention"] * 3 + ["full_attention"],
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -85,16 +87,105 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          # Phi-3's fused tensors, kept fused; a mixture's router.
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp"}
+# Gemma 3's norms under llama.cpp's names (its "ffn_norm" is the norm before the MLP).
+_GEMMA_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+             "phi3": "phi3", "qwen3_moe": "qwen3moe", "smollm3": "smollm3"}
+PERMUTED = ("llama", "smollm3")  # llama.cpp's "normal" rope: q/k rows interleaved
 
 
-def write_gguf(model, path: Path) -> Path:
-    """``model``'s weights as a float32 GGUF of its llama.cpp architecture (llama, qwen3)."""
+def _add_rope(w, gguf, cfg, rp: dict, hd: int) -> None:
+    w.add_rope_freq_base(rp["rope_theta"])
+    kind = rp.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    if kind == "llama3":  # llama.cpp keeps llama3 scaling as per-frequency divisors
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")[0]
+        base = 1.0 / (rp["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        w.add_tensor("rope_freqs.weight", (base / inv).numpy().astype(np.float32))
+    if kind == "longrope":  # as llama.cpp's convert_hf_to_gguf writes Phi-3's
+        import math
+
+        orig = rp["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / orig
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rp["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rp["short_factor"], dtype=np.float32))
+
+
+def _arch_metadata(w, gguf, cfg, arch: str, hd: int) -> None:
+    if arch == "gemma3":  # the global layers' rope in the common keys, the windowed layers' base apart
+        rp = cfg.rope_parameters
+        _add_rope(w, gguf, cfg, rp["full_attention"], hd)
+        w.add_rope_freq_base_swa(rp["sliding_attention"]["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        windowed = [t == "sliding_attention" for t in cfg.layer_types]
+        w.add_sliding_window_pattern(windowed.index(False) + 1)  # every n-th layer global
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        return
+    _add_rope(w, gguf, cfg, cfg.rope_parameters, hd)
+    if arch == "phi3":
+        w.add_rope_dimension_count(hd)
+        w.add_sliding_window(cfg.sliding_window or 0)
+    elif arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    elif getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+
+
+def _tensors(name: str, a: np.ndarray, cfg, arch: str):
+    """llama.cpp's (name, data) for one Hugging Face tensor, as its convert_hf_to_gguf.py writes it."""
+    if name == "model.embed_tokens.weight":
+        yield "token_embd.weight", a
+        return
+    if name == "model.norm.weight":
+        yield "output_norm.weight", a + (1.0 if arch == "gemma3" else 0.0)
+        return
+    if name == "lm_head.weight":
+        yield "output.weight", a
+        return
+    _, _, layer, rest = name.split(".", 3)
+    if rest == "mlp.experts.gate_up_proj":  # [experts, 2 * intermediate, hidden]: gate rows first
+        half = a.shape[1] // 2
+        yield f"blk.{layer}.ffn_gate_exps.weight", a[:, :half]
+        yield f"blk.{layer}.ffn_up_exps.weight", a[:, half:]
+        return
+    if rest == "mlp.experts.down_proj":
+        yield f"blk.{layer}.ffn_down_exps.weight", a
+        return
+    part, kind = rest.rsplit(".", 1)
+    if arch == "gemma3" and part.endswith("norm"):  # llama.cpp stores Gemma's (1 + w)
+        a = a + 1.0
+    if arch in PERMUTED and part == "self_attn.q_proj":
+        a = _permute(a, cfg.num_attention_heads)
+    elif arch in PERMUTED and part == "self_attn.k_proj":
+        a = _permute(a, cfg.num_key_value_heads)
+    names = dict(_LAYER, **_GEMMA_LAYER) if arch == "gemma3" else _LAYER
+    yield f"blk.{layer}.{names[part]}.{kind}", a
+
+
+def write_gguf(model, path: Path, quantize: str = "F32") -> Path:
+    """``model``'s weights as a GGUF of its llama.cpp architecture: llama.cpp's tensor and metadata
+    names, and its conventions (permuted q/k rows, Gemma's stored 1 + w, stacked experts). Matrices
+    are float32, or quantized by the gguf library (``quantize="Q8_0"``); norms stay float32."""
     import gguf
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from gguf.quants import quantize as gguf_quantize
 
     cfg = model.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch = GGUF_ARCH[cfg.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_context_length(cfg.max_position_embeddings)
@@ -106,39 +197,17 @@ def write_gguf(model, path: Path) -> Path:
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rp = cfg.rope_parameters
-    w.add_rope_freq_base(rp["rope_theta"])
-    kind = rp.get("rope_type", "default")
-    if kind in ("linear", "yarn"):
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rp["factor"])
-        if kind == "yarn":
-            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
-    if kind == "llama3":  # llama.cpp keeps llama3 scaling as per-frequency divisors
-        inv = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")[0]
-        base = 1.0 / (rp["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
-        w.add_tensor("rope_freqs.weight", (base / inv).numpy().astype(np.float32))
-    if getattr(cfg, "sliding_window", None):
-        w.add_sliding_window(cfg.sliding_window)
+    _arch_metadata(w, gguf, cfg, arch, hd)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     for name, t in model.state_dict().items():
-        a = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            out = "token_embd.weight"
-        elif name == "model.norm.weight":
-            out = "output_norm.weight"
-        elif name == "lm_head.weight":
-            out = "output.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            part, kind_ = rest.rsplit(".", 1)
-            out = f"blk.{layer}.{_LAYER[part]}.{kind_}"
-            if arch == "llama" and part == "self_attn.q_proj":
-                a = _permute(a, cfg.num_attention_heads)
-            elif arch == "llama" and part == "self_attn.k_proj":
-                a = _permute(a, cfg.num_key_value_heads)
-        w.add_tensor(out, np.ascontiguousarray(a, dtype=np.float32))
+        for out, a in _tensors(name, t.float().numpy(), cfg, arch):
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if quantize != "F32" and a.ndim >= 2:
+                qtype = gguf.GGMLQuantizationType[quantize]
+                w.add_tensor(out, gguf_quantize(a, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(out, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,6 +3,7 @@ from its safetensors directory and from a GGUF of the same weights; prompt logpr
 tokens, with chunked prefill (across window edges), preemption and prefix caching on."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,8 +15,9 @@ from tests.arch_models import hf_greedy, hf_logprobs, make_model, write_gguf
 
 KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3",
          "phi3", "qwen3-moe", "smollm3"]
-# llama.cpp has no dynamic rope, and ferry reads no GGUF of the last four yet.
-GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen2", "qwen3", "mistral"]
+# llama.cpp has no dynamic rope; its Gemma 3 files cannot hold another attention scale than 1/sqrt(head_dim).
+GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3-gguf", "phi3",
+              "qwen3-moe", "smollm3"]
 PROMPTS = [[(7 * i + 3) % 300 + 2 for i in range(45)], [(11 * i + 5) % 300 + 2 for i in range(29)],
            [(7 * i + 3) % 300 + 2 for i in range(37)]]  # the third shares the first's first 37 tokens
 NEW = 12
@@ -67,7 +69,8 @@ def engine(model: str, blocks: int = 26, **kw) -> LLM:
 BLOCKS = {"mistral": 40}  # room for the prefix cache to keep what the window passed
 NO_PREEMPTION = {"mistral"}
 # The architectures the fused C decode serves (the others decode through torch).
-FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "phi3", "smollm3"}
+FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3", "phi3",
+         "smollm3"}
 
 
 def test_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):
@@ -111,6 +114,43 @@ def test_the_same_weights_from_a_gguf_match_transformers(tiny_gguf, tmp_path, mo
         diff = max_logprob_diff(llm, refs)
         print(f"{kind} gguf ({quant}) max |d logprob| {diff:.2e}")
         assert diff < TOL
+
+
+def _prompt_logprobs(llm: LLM) -> list[torch.Tensor]:
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    return [torch.tensor([o.prompt_logprobs[j][p[j]] for j in range(1, len(p))])
+            for p, o in zip(PROMPTS, llm.generate(PROMPTS, sp, use_tqdm=False))]
+
+
+def test_a_quantized_gguf_runs_on_its_blocks(tiny_gguf, tmp_path, monkeypatch):
+    """Every architecture's GGUF matrices (experts, Phi-3's fused qkv and gate_up too) stay in their
+    Q8_0 blocks, and compute what the same file dequantized computes."""
+    kind, path, model, refs, greedy = tiny_gguf
+    if load_kernels() is None:
+        pytest.skip("no C kernels here: quantized weights are dequantized")
+    from ferry.model.quant import QuantWeight
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(model, tmp_path / f"{kind}-q8.gguf", quantize="Q8_0")
+    kept, plain = engine(str(gguf), quantization="gguf"), engine(str(gguf), quantization="none")
+    layer = kept.engine.executor.model.layers[0]
+    assert isinstance(layer.qkv, QuantWeight)
+    assert isinstance(layer.experts_gate_up[0] if layer.router is not None else layer.gate_up, QuantWeight)
+    # The reference: transformers with every matrix rounded to Q8_0 and back by the gguf library.
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in rounded.state_dict().values():
+            if t.ndim >= 2:
+                q8 = quantize(t.float().numpy(), GGMLQuantizationType.Q8_0)
+                t.copy_(torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)).reshape(t.shape))
+    a, b = _prompt_logprobs(kept), _prompt_logprobs(plain)
+    diff = max(float((x - hf_logprobs(rounded, p)).abs().max()) for x, p in zip(a, PROMPTS))
+    print(f"{kind} Q8_0 gguf (blocks) max |d logprob| vs transformers on the rounded weights {diff:.2e}")
+    assert diff < TOL
+    assert max(float((x - y).abs().max()) for x, y in zip(a, b)) < TOL
 
 
 def test_dummy_weights_for_every_architecture(tmp_path):

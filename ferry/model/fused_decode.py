@@ -29,12 +29,12 @@ class _Layer(ctypes.Structure):
     _fields_ = [(n, _p) for n in ("input_norm", "post_norm", "qkv_bias", "qkv", "o_proj", "gate_up", "down")] \
         + [(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")] \
         + [("k_cache", _p), ("v_cache", _p), ("window", _i64)] \
-        + [(n, _p) for n in ("q_norm", "k_norm", "cos", "sin")]
+        + [(n, _p) for n in ("q_norm", "k_norm", "cos", "sin", "attn_out_norm", "mlp_out_norm")]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "block_size")] \
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", _i64)]
 
 
 def _ptr_type(w: Any) -> tuple[int, int]:
@@ -50,7 +50,7 @@ class FusedDecode:
         self.layers = layers  # keeps the weights alive while the C side points at them
         self.ropes = ropes or []  # per-layer rope tables (layer.rope indexes them), kept alive too
         self.dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          cfg.intermediate_size, 0, cfg.rms_norm_eps, scale)
+                          cfg.intermediate_size, 0, cfg.rms_norm_eps, scale, int(cfg.hidden_act == "gelu_tanh"))
         self._table: Any = None
         self._caches: Any = None
         self.times = (ctypes.c_double * len(PARTS))()
@@ -69,6 +69,8 @@ class FusedDecode:
                 t.window = layer.window or 0
                 t.q_norm = None if layer.q_norm is None else layer.q_norm.data_ptr()
                 t.k_norm = None if layer.k_norm is None else layer.k_norm.data_ptr()
+                t.attn_out_norm = None if layer.attn_out_norm is None else layer.attn_out_norm.data_ptr()
+                t.mlp_out_norm = None if layer.mlp_out_norm is None else layer.mlp_out_norm.data_ptr()
                 if self.ropes:
                     t.cos, t.sin = (r.data_ptr() for r in self.ropes[layer.rope])
             self._table, self._caches = table, kv_caches

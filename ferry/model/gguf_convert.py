@@ -63,37 +63,65 @@ def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return out
 
 
+# llama.cpp's per-layer names (its llama ones) -> Hugging Face's; an architecture declares its others.
 _NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Tensors outside the layers that are config, not weights: read into config.json.
+CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
-def _layer_names() -> dict[str, str]:
-    from ferry.model.arch import ARCHITECTURES
-
-    names = dict(_NAMES)
-    for a in ARCHITECTURES.values():  # llama.cpp gives one meaning to a name across architectures
-        names.update(a.gguf_tensors)
-    return names
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a GGUF tensor (llama.cpp's names)."""
+def hf_name(name: str, spec=None) -> str:
+    """The Hugging Face name of a GGUF tensor (llama.cpp's names for ``spec``'s architecture)."""
     base, kind = name.rsplit(".", 1)
     if base == "token_embd":
         return "model.embed_tokens." + kind
     if base == "output_norm":
         return "model.norm." + kind
-    if base in ("output", "rope_freqs"):  # rope_freqs: llama3 scaling, read into config.json
-        return ("lm_head." if base == "output" else "rope_freqs.") + kind
+    if base == "output":
+        return "lm_head." + kind
+    if base in CONFIG_TENSORS:
+        return name
+    if not base.startswith("blk."):
+        raise ValueError(f"unknown GGUF tensor {name!r}")
     _, layer, part = base.split(".", 2)
-    names = _layer_names()
+    names = _NAMES if spec is None else {**_NAMES, **spec.gguf_tensors}
     if part not in names:
         raise ValueError(f"unknown GGUF tensor {name!r}")
     return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def hf_tensors(reader, keep: tuple[str, ...] = ()):
+    """Every tensor of a GGUF as (Hugging Face name, GGUF type, [N, K] shape, data): data are the
+    file's bytes in rows for the types in ``keep`` and float32 (the gguf library's dequantization)
+    for the others. q/k rows in Hugging Face's order, norm weights as Hugging Face keeps them, and
+    3-D expert tensors split into one per expert."""
+    from gguf.quants import dequantize
+
+    spec = gguf_architecture(reader)
+    p_heads, p_kv = permuted_heads(reader)
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        # GGUF lists dimensions innermost first: [K, N] for an N x K matrix.
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        if qtype in keep:
+            data = np.asarray(t.data).reshape(*shape[:-1], -1)
+        else:
+            data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        heads = p_heads if t.name.endswith("attn_q.weight") else p_kv if t.name.endswith("attn_k.weight") else 0
+        if heads:  # rope's row permutation moves whole rows, and a row's blocks move with it
+            data = unpermute_rope(data, heads)
+        if spec.gguf_norm_shift and t.name.endswith("norm.weight") and qtype not in keep:
+            data = data - np.float32(spec.gguf_norm_shift)
+        name = hf_name(t.name, spec)
+        if "{e}" in name:
+            for e in range(shape[0]):
+                yield name.format(e=e), qtype, shape[1:], np.ascontiguousarray(data[e])
+        else:
+            yield name, qtype, shape, np.ascontiguousarray(data)
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -145,7 +173,6 @@ def _rope_scaling(m, tensors: dict[str, np.ndarray]) -> dict | None:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files for ``gguf_path`` into ``out_dir``."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
     reader = GGUFReader(str(gguf_path))
@@ -157,15 +184,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         return meta.get(f"{arch}.{key}", default)
 
     n_heads, n_kv = gguf_head_counts(reader)
-    p_heads, p_kv = permuted_heads(reader)
-    tensors: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if t.name.endswith("attn_q.weight") and p_heads:
-            w = unpermute_rope(w, p_heads)
-        elif t.name.endswith("attn_k.weight") and p_kv:
-            w = unpermute_rope(w, p_kv)
-        tensors[hf_name(t.name)] = np.ascontiguousarray(w)
+    tensors = {name: w for name, _, _, w in hf_tensors(reader)}
     tied = "lm_head.weight" not in tensors
     emb = tensors["model.embed_tokens.weight"]
     config = {
@@ -189,7 +208,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         # llama.cpp writes Mistral as a llama with a window: Hugging Face's name for that is Mistral.
         config.update(architectures=["MistralForCausalLM"], model_type="mistral",
                       sliding_window=m("attention.sliding_window"))
-    config.update({k: m(key) for k, key in spec.gguf_config.items() if m(key) is not None})
+    config.update(spec.gguf_configure(m, tensors))
+    for name in CONFIG_TENSORS:  # what no architecture read is not a weight either
+        tensors.pop(f"{name}.weight", None)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -9,7 +9,7 @@ a few large matrix products; logits are computed only for the rows that sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,8 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tu
     return weights, chosen
 
 
-def moe(h: torch.Tensor, layer: LayerWeights, top_k: int, renorm: bool, act: Callable) -> torch.Tensor:
+def moe(h: torch.Tensor, layer: LayerWeights, top_k: int, renorm: bool, act: Callable,
+        use_kernel: bool = False) -> torch.Tensor:
     """Routed experts: each token's top-k experts, weighted; each expert runs once over all its tokens."""
     weights, chosen = route(h, layer.router, top_k, renorm)
     flat = chosen.reshape(-1)
@@ -44,8 +45,8 @@ def moe(h: torch.Tensor, layer: LayerWeights, top_k: int, renorm: bool, act: Cal
     xs, ys, start = h[tokens], torch.empty_like(h[tokens]), 0
     for e, n in enumerate(counts):
         if n:
-            gate, up = F.linear(xs[start:start + n], layer.experts_gate_up[e]).chunk(2, dim=-1)
-            ys[start:start + n] = F.linear(act(gate) * up, layer.experts_down[e])
+            gate, up = linear(xs[start:start + n], layer.experts_gate_up[e], use_kernel=use_kernel).chunk(2, dim=-1)
+            ys[start:start + n] = linear(act(gate) * up, layer.experts_down[e], use_kernel=use_kernel)
             start += n
     out = torch.zeros_like(h)
     return out.index_add_(0, tokens, ys * weights.reshape(-1)[order, None].to(h.dtype))
@@ -78,8 +79,8 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # norms on the attention's and the MLP's outputs (Gemma)
     mlp_out_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [experts, hidden]: a mixture-of-experts layer's gate
-    experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden]
-    experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
+    experts_gate_up: Sequence[Weight] | None = None  # per expert [2 * moe_intermediate, hidden]
+    experts_down: Sequence[Weight] | None = None  # per expert [hidden, moe_intermediate]
 
 
 # Float32 weights (quantization none): up to KERNEL_ROWS rows the streaming kernel beats BLAS,
@@ -186,13 +187,13 @@ class LlamaModel:
                 weights[name] = shard_cols(weights[name], *span)
             return take(name)
 
+        def dense(w: Weight) -> torch.Tensor:
+            return dequantize(w) if isinstance(w, QuantWeight) else w
+
         def norm(name: str) -> torch.Tensor:  # Gemma's (1 + w) folded into the weight once
             w = take(name)
             return w + cfg.norm_offset if cfg.norm_offset else w
 
-        if cfg.num_experts and plan.world > 1:
-            raise ValueError("tensor parallelism does not shard mixture-of-experts layers yet: "
-                             "use tensor_parallel_size 1")
         self.embed = rows("model.embed_tokens.weight", vocab)
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
             else rows("lm_head.weight", vocab)
@@ -221,11 +222,12 @@ class LlamaModel:
                 rope=_rope_index(cfg, i),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
-                router=take(m + "gate.weight") if moe_layer else None,
-                experts_gate_up=torch.stack([torch.cat([take(f"{m}experts.{e}.gate_proj.weight"),
-                                                        take(f"{m}experts.{e}.up_proj.weight")])
-                                             for e in range(cfg.num_experts)]) if moe_layer else None,
-                experts_down=torch.stack([take(f"{m}experts.{e}.down_proj.weight") for e in range(cfg.num_experts)])
+                router=dense(take(m + "gate.weight")) if moe_layer else None,
+                # Kept quantized where the file is (a GGUF's experts): each goes through linear().
+                experts_gate_up=[cat_rows([rows(f"{m}experts.{e}.gate_proj.weight", plan.experts),
+                                           rows(f"{m}experts.{e}.up_proj.weight", plan.experts)])
+                                 for e in range(cfg.num_experts)] if moe_layer else None,
+                experts_down=[cols(f"{m}experts.{e}.down_proj.weight", plan.experts) for e in range(cfg.num_experts)]
                 if moe_layer else None,
             ))
         # One table per distinct (theta, scaling) among the layers (Gemma: its local and global bases).
@@ -290,7 +292,8 @@ class LlamaModel:
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             tick("norm")
             if layer.router is not None:
-                h = moe(h, layer, cfg.experts_per_token, cfg.norm_topk_prob, self.act)
+                h = moe(h, layer, cfg.experts_per_token, cfg.norm_topk_prob, self.act, kern)
+                h = h if comm is None else comm.all_reduce(h)  # each rank ran its slice of every expert
                 tick("experts")
             else:
                 gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)

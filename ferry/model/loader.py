@@ -14,6 +14,7 @@ from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import cached_gguf_weights, set_activations
 from ferry.model.gguf_convert import converted_dir, embedded_gguf_path
+from ferry.model.tensor_parallel import shard_rows
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
         if load_kernels() is None:
             log.warning("no C kernels here (no compiler?): quantized weights are dequantized to float32")
         else:
-            weights = cached_gguf_weights(gguf, model_dir)
+            weights = unfuse(cached_gguf_weights(gguf, model_dir), cfg)
             set_activations(weights, config.quant_activations)
             return weights
     return unfuse(load_safetensors(model_dir), cfg)
@@ -81,8 +82,10 @@ def unfuse(weights: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
             w = weights.pop(name)
             sizes = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd] if len(parts) == 3 \
                 else [w.shape[0] // len(parts)] * len(parts)
-            for part, piece in zip(parts, torch.split(w, sizes)):
-                weights[f"model.layers.{n}.{part}.weight"] = piece.contiguous()
+            start = 0
+            for part, size in zip(parts, sizes):  # rows: a quantized tensor's rows of blocks too
+                weights[f"model.layers.{n}.{part}.weight"] = shard_rows(w, start, start + size)
+                start += size
     return weights
 
 

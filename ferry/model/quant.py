@@ -208,31 +208,23 @@ def cached_gguf_weights(path: Path, cache_dir: Path) -> dict[str, torch.Tensor |
 
 
 def load_gguf_weights(path: Path) -> dict[str, torch.Tensor | QuantWeight]:
-    """Every tensor of a llama GGUF under its Hugging Face name; quantized ones stay quantized.
+    """Every tensor of a GGUF under its Hugging Face name; quantized ones stay quantized.
 
     Raises ValueError naming the tensor and its type when a type is neither a float nor one the
     kernels keep quantized (serve such a file with ``quantization="none"``, which dequantizes it all).
     """
     from gguf import GGUFReader
 
-    from ferry.model.gguf_convert import hf_name, permuted_heads, unpermute_rope
+    from ferry.model.gguf_convert import hf_tensors
 
     reader = GGUFReader(str(path))
-    n_heads, n_kv = permuted_heads(reader)  # (0, 0): q/k rows as Hugging Face keeps them
-    out: dict[str, torch.Tensor | QuantWeight] = {}
     for t in reader.tensors:
         qtype = t.tensor_type.name
-        # GGUF lists dimensions innermost first: [K, N] for an N x K matrix.
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        heads = n_heads if t.name.endswith("attn_q.weight") else n_kv if t.name.endswith("attn_k.weight") else 0
-        if qtype in FLOAT_TYPES:
-            w = np.asarray(t.data).astype(np.float32).reshape(shape)
-            out[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(unpermute_rope(w, heads) if heads else w))
-        elif qtype in QUANT_TYPES and len(shape) == 2 and shape[1] % QUANT_TYPES[qtype].block == 0:
-            raw = np.asarray(t.data).reshape(shape[0], -1)
-            # Rope's row permutation moves whole rows, and a row's blocks move with it.
-            out[hf_name(t.name)] = repack(unpermute_rope(raw, heads) if heads else raw, qtype, shape)
-        else:
+        if qtype not in FLOAT_TYPES and (qtype not in QUANT_TYPES or int(t.shape[0]) % QUANT_TYPES[qtype].block):
             raise ValueError(f"{path.name}: tensor {t.name!r} has GGUF type {qtype}, which ferry cannot keep "
                              f"quantized (supported: {', '.join(QUANT_TYPES)}); use --quantization none")
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    for name, qtype, shape, data in hf_tensors(reader, keep=tuple(QUANT_TYPES)):
+        # A float tensor may be the file's own (read-only) pages: copied, as the weights outlive the reader.
+        out[name] = repack(data, qtype, shape) if qtype in QUANT_TYPES else torch.from_numpy(data.copy())
     return out

@@ -33,6 +33,7 @@ class ShardPlan:
     vocab: tuple[int, int]
     max_vocab_shard: int  # the largest rank's vocabulary slice (the all-gather's size)
     max_kv_heads: int  # the most KV heads any rank holds (every rank sizes its cache for it)
+    experts: tuple[int, int] = (0, 0)  # every expert's MLP columns this rank holds (mixtures of experts)
 
     @classmethod
     def make(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
@@ -60,8 +61,13 @@ class ShardPlan:
             raise ValueError(f"tensor_parallel_size {world} is more than the model's intermediate size or vocabulary")
         vocab = split(cfg.vocab_size, world, 0)
         mlp_align = QK_K if cfg.intermediate_size % QK_K == 0 and cfg.intermediate_size >= QK_K * world else QK
+        experts = (0, 0)
+        if cfg.num_experts:  # each rank holds a slice of every expert, as of a dense MLP
+            if cfg.moe_intermediate_size < world:
+                raise ValueError(f"tensor_parallel_size {world} is more than the experts' intermediate size")
+            experts = split(cfg.moe_intermediate_size, world, rank, QK)
         return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank, mlp_align),
-                   split(cfg.vocab_size, world, rank), vocab[1] - vocab[0], max_kv)
+                   split(cfg.vocab_size, world, rank), vocab[1] - vocab[0], max_kv, experts)
 
     @property
     def num_heads(self) -> int:

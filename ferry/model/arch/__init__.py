@@ -16,6 +16,10 @@ def _nothing(d: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _none(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Architecture:
     hf_name: str  # config.json's ``architectures`` entry
@@ -23,11 +27,14 @@ class Architecture:
     gguf_name: str | None = None  # a GGUF's ``general.architecture``
     # config.json -> ModelConfig fields that differ from the Llama defaults (qkv_bias, qk_norm, windows...).
     configure: Callable[[dict[str, Any]], dict[str, Any]] = _nothing
-    # llama.cpp's per-layer tensor names beyond the Llama ones -> the Hugging Face names.
+    # llama.cpp's per-layer tensor names that differ from the Llama ones -> the Hugging Face names
+    # ("{e}" in a name: a 3-D tensor of every expert, split into one per expert).
     gguf_tensors: dict[str, str] = field(default_factory=dict)
-    gguf_permuted_qk: bool = False  # llama.cpp interleaves q/k rows for its "normal" rope (llama only)
-    # ModelConfig fields read from GGUF metadata keys "{gguf_name}.KEY" (beyond the common ones).
-    gguf_config: dict[str, str] = field(default_factory=dict)
+    gguf_permuted_qk: bool = False  # llama.cpp interleaves q/k rows for its "normal" rope (llama-like)
+    # config.json fields from the GGUF's metadata (``meta(key, default)`` reads "{gguf_name}.KEY")
+    # and its float tensors by Hugging Face name (it may pop those that are config, not weights).
+    gguf_configure: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = _none
+    gguf_norm_shift: float = 0.0  # llama.cpp stores every norm weight plus this (Gemma's 1 + w)
     fused_decode: bool = True  # the C decode has every operation of these layers
     # Checkpoint tensors that hold several of ferry's, split by rows at load (Phi-3's qkv_proj).
     checkpoint_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)

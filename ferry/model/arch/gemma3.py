@@ -1,6 +1,6 @@
 """Gemma 3 text: interleaved sliding-window and global layers, each kind with its rope base, q/k
 norms, GeGLU, embeddings scaled by sqrt(hidden), (1 + w) RMS norms before and after attention and MLP."""
-from typing import Any
+from typing import Any, Callable
 
 from ferry.model.arch import Architecture
 
@@ -30,5 +30,29 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# No GGUF form yet: llama.cpp names these norms (and stores their weights) differently.
-ARCH = Architecture("Gemma3ForCausalLM", "gemma3_text", configure=configure, fused_decode=False)
+def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """config.json from llama.cpp's gemma3 metadata: its layer pattern (every 6th layer global unless
+    the file says otherwise), the windowed layers' rope base, and its attention scale rule."""
+    n, hd = meta("block_count"), meta("attention.key_length", 256)
+    window = meta("attention.sliding_window") or None
+    pattern = meta("attention.sliding_window_pattern", 6)
+    windowed = [bool(x) for x in pattern] if isinstance(pattern, list) else \
+        [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    return {
+        "layer_types": ["sliding_attention" if window and w else "full_attention" for w in windowed],
+        "sliding_window": window, "head_dim": hd, "hidden_activation": "gelu_pytorch_tanh",
+        "rope_local_base_freq": float(meta("rope.freq_base_swa", 10000.0)),
+        # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B.
+        "query_pre_attn_scalar": hidden // heads if n == 62 else hd,
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+    }
+
+
+ARCH = Architecture("Gemma3ForCausalLM", "gemma3_text", gguf_name="gemma3", configure=configure,
+                    gguf_norm_shift=1.0, gguf_configure=gguf_configure,
+                    gguf_tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                                  "ffn_norm": "pre_feedforward_layernorm",
+                                  "post_attention_norm": "post_attention_layernorm",
+                                  "post_ffw_norm": "post_feedforward_layernorm"})

@@ -1,6 +1,6 @@
 """Phi-3 (and Phi-4-mini shapes without partial rotary): the Llama layer with q, k, v fused into one
 checkpoint tensor and gate, up into another; longrope scaling for its long-context versions."""
-from typing import Any
+from typing import Any, Callable
 
 from ferry.model.arch import Architecture
 
@@ -21,8 +21,24 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# No GGUF form yet (llama.cpp's phi3 keeps gate and up in its ffn_up).
-ARCH = Architecture("Phi3ForCausalLM", "phi3", configure=configure,
+def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """config.json from llama.cpp's phi3 metadata: its window (0: none), rotary width, and longrope
+    factors, which it keeps as two tensors."""
+    hd = meta("embedding_length") // meta("attention.head_count")
+    out: dict[str, Any] = {"sliding_window": meta("attention.sliding_window") or None,
+                           "partial_rotary_factor": meta("rope.dimension_count", hd) / hd,
+                           "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+    if "rope_factors_long.weight" in tensors:
+        out["rope_scaling"] = {"rope_type": "longrope",
+                               "long_factor": tensors.pop("rope_factors_long.weight").tolist(),
+                               "short_factor": tensors.pop("rope_factors_short.weight").tolist(),
+                               "original_max_position_embeddings": out["original_max_position_embeddings"]}
+    return out
+
+
+ARCH = Architecture("Phi3ForCausalLM", "phi3", gguf_name="phi3", configure=configure, gguf_configure=gguf_configure,
+                    # llama.cpp keeps Phi-3's fused checkpoint tensors as they are: ffn_up holds gate and up.
+                    gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                     checkpoint_fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
                                                              "self_attn.v_proj"),
                                       "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")})

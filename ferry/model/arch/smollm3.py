@@ -22,5 +22,7 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
             "layer_windows": tuple(window if k == "sliding_attention" else None for k in kinds)}
 
 
-# No GGUF form yet (llama.cpp's smollm3 leaves the no-rope layers to its code, not its metadata).
-ARCH = Architecture("SmolLM3ForCausalLM", "smollm3", configure=configure)
+# llama.cpp's smollm3: a llama (q/k rows interleaved) whose every 4th layer skips rope, in its code
+# (``configure``'s default interval), not in the file.
+ARCH = Architecture("SmolLM3ForCausalLM", "smollm3", gguf_name="smollm3", configure=configure,
+                    gguf_permuted_qk=True)

@@ -3,7 +3,8 @@
  * A decode step with few requests does little arithmetic per operation, so done with torch it
  * costs mostly the ~25 operation dispatches per layer. Here a layer is: RMS norm, qkv product,
  * rope, K/V into the paged cache, paged attention, o product (+ residual), RMS norm, gate+up
- * product, SiLU(gate) * up, down product (+ residual). The products use the float32 or the
+ * product, SiLU(gate) * up (or GELU), down product (+ residual); Gemma's norms of the o and
+ * down products' outputs where a layer has them. The products use the float32 or the
  * quantized kernel by each weight's type and split their rows over the threads; the small
  * operations are row loops. The same arithmetic as the torch path, up to the order of sums.
  */
@@ -27,11 +28,13 @@ typedef struct {
     int64_t window;                                    /* sliding window, 0: none */
     const float *q_norm, *k_norm;                      /* per-head RMS norm weights before rope, or NULL */
     const float *cos, *sin;                            /* this layer's rope tables [positions, D] */
+    const float *attn_out_norm, *mlp_out_norm;         /* norms of the two outputs (Gemma), or NULL */
 } layer_t;
 
 typedef struct {
     int64_t hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
+    int64_t gelu; /* the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU) */
 } dims_t;
 
 /* Where the time goes, for the step profiler: seconds per part, added to times[]. */
@@ -109,6 +112,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
                                d->block_size, max_blocks, d->scale, L->window);
         LAP(T_ATTN);
         matmul(attn, L->o_proj, L->o_type, tmp, B, H, Hq * D);
+        if (L->attn_out_norm) rms_norm(tmp, L->attn_out_norm, tmp, B, H, d->eps);
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
         LAP(T_O);
         rms_norm(x, L->post_norm, h, B, H, d->eps);
@@ -118,10 +122,13 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
         for (int64_t b = 0; b < B; b++)
             for (int64_t i = 0; i < I; i++) {
                 const float g = gu[b * 2 * I + i];
-                act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
+                const float a = d->gelu ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
+                                        : g / (1.f + expf(-g));
+                act[b * I + i] = a * gu[b * 2 * I + I + i];
             }
         LAP(T_ACT);
         matmul(act, L->down, L->down_type, tmp, B, H, I);
+        if (L->mlp_out_norm) rms_norm(tmp, L->mlp_out_norm, tmp, B, H, d->eps);
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
         LAP(T_DOWN);
     }
