@@ -219,9 +219,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # a GGUF without a tokenizer serves token ids only
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        except ValueError:  # an architecture transformers reads no GGUF config of (smollm3): its vocabulary still converts
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         pre = reader.fields.get("tokenizer.ggml.pre")
         _set_pre_tokenizer(tokenizer, pre.contents() if pre is not None else None)
         tokenizer.save_pretrained(str(tmp))
