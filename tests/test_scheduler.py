@@ -241,6 +241,45 @@ def test_stop_string_spanning_tokens_truncates_text(stop, expected):
         assert output_text == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.text("ab ", min_size=1, max_size=3), min_size=1, max_size=6),
+       stops=st.lists(st.text("ab ", min_size=1, max_size=4), min_size=1, max_size=3),
+       n=st.integers(1, 12), include=st.booleans())
+def test_streamed_text_never_shows_what_a_stop_string_later_cuts(pieces, stops, n, include):
+    """The output processor holds back what could start a stop string: every output's text is a
+    prefix of the final text, which ends where the first stop string begins (or after it)."""
+    engine, ex = make_engine()
+
+    def fixed(out):  # output token i decodes to pieces[i]
+        res = FakeExecutor.execute(ex, out)
+        for rid in res.sampled:
+            res.sampled[rid] = [engine.scheduler.requests[rid].num_output_tokens]
+        return res
+
+    engine.executor.execute = fixed
+    sp = SamplingParams(max_tokens=n, stop=stops, ignore_eos=True, include_stop_str_in_output=include)
+    req = Request("s", [1, 2, 3], sp, arrival_time=0.0)
+    engine.scheduler.add_request(req)
+    engine.output_processor.add_request(req, None)
+    engine.output_processor.states["s"].detokenizer = CharDetokenizer(pieces)
+    texts = []
+    while engine.has_unfinished():
+        texts += [o.outputs[0].text for o in engine.step()]
+    final, whole = texts[-1], "".join(pieces[i % len(pieces)] for i in range(n))
+    assert all(final.startswith(t) for t in texts)
+    assert all(len(a) <= len(b) for a, b in zip(texts, texts[1:]))
+    # The reference: the earliest stop string to end in the text, as the text grew token by token.
+    text, want = "", whole
+    for i in range(n):
+        text += pieces[i % len(pieces)]
+        hits = [(text.find(s), k, s) for k, s in enumerate(stops) if s in text]
+        if hits:  # the earliest, ties to the first listed
+            at, _, s = min(hits)
+            want = text[:at + len(s)] if include else text[:at]
+            break
+    assert final == want
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on():
     engine, ex = make_engine(num_blocks=64, max_num_batched_tokens=8)
     sp = SamplingParams(max_tokens=3, ignore_eos=True)

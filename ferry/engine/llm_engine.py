@@ -10,7 +10,7 @@ from typing import Any, Callable, MutableSequence, Protocol, Sequence
 from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from ferry.core.request import Request
+from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
 from ferry.core.static_scheduler import StaticScheduler
@@ -66,7 +66,7 @@ class LLMEngine:
                                  window=window)
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, self.clock)
-        self.output_processor = OutputProcessor(self.scheduler, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
         # The latest steps only: an engine may run for ever. A benchmark that wants every step
         # of a run puts a list here first.
         self.step_stats: MutableSequence[StepStats] = deque(maxlen=STEP_STATS_KEPT)
@@ -186,12 +186,20 @@ class LLMEngine:
         changed = sched.update_from_output(out, result)
         tick("update")
         stats = self._record_step(out, start, spec_before)
-        outputs = self.output_processor.process(changed, result, finished_only)
+        for req, stop in self.output_processor.take(changed, result):
+            self._stopped_by_string(req, stop)
+        outputs = self.output_processor.outputs(changed, finished_only)
         stats.wall = self.clock() - begin
         if prof is not None:
             tick("outputs")
             prof.finish(step_shape(stats.num_decode_tokens, stats.num_prefill_tokens + stats.num_padding_tokens))
         return outputs
+
+    def _stopped_by_string(self, req: Request, stop: str) -> None:
+        if req.is_finished:  # ended by length on this very token: the stop string wins, as in vLLM
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        else:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop)
 
     def enable_profiling(self, on: bool = True) -> StepProfiler | None:
         """Time every step by part from now on (``ferry bench --profile``), or stop (``on=False``).

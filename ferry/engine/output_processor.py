@@ -2,8 +2,9 @@
 
 The scheduler owns token ids and token-level stops (EOS, stop token ids, max_tokens). Right
 after its update each step, this takes the new tokens of every changed request, detokenizes
-them, looks for stop strings (ending a request through the scheduler's finish path), files
-logprobs, and builds one ``RequestOutput`` per request.
+them, looks for stop strings (reporting the requests they stop, which the engine finishes),
+files logprobs, and builds one ``RequestOutput`` per request, whose text holds back what could
+still turn out to be the start of a stop string.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 from ferry.core.outputs import ModelRunnerOutput
 from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
-from ferry.core.scheduler import Scheduler
 from ferry.engine.detokenizer import IncrementalDetokenizer
 from ferry.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -28,6 +28,7 @@ class RequestState:
     text: str = ""
     num_tokens: int = 0  # output tokens taken in: with a stop string mid-step, fewer than generated
     num_shown: int = 0  # output tokens in the last RequestOutput built
+    num_chars_shown: int = 0  # characters of text in it
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # One entry per prompt token once prefilled, when asked for; the first token has none.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
@@ -37,8 +38,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, tokenizer: Any = None) -> None:
-        self.scheduler = scheduler
+    def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
@@ -51,26 +51,27 @@ class OutputProcessor:
             prompt_logprobs=[None] if sp.prompt_logprobs is not None else [],
             passthrough=self.tokenizer is None and not sp.stop and sp.logprobs is None)
 
-    def process(self, changed: list[Request], result: ModelRunnerOutput,
-                finished_only: bool = False) -> list[RequestOutput]:
-        """Take in one step; outputs for the changed requests (only finished ones with
-        ``finished_only``). Finished requests' states are dropped."""
+    def take(self, changed: list[Request], result: ModelRunnerOutput) -> list[tuple[Request, str]]:
+        """Take in one step's tokens and logprobs; returns the requests a stop string ended, with
+        it (for the engine to finish: their later tokens are not shown)."""
         for rid, (first, entries) in result.prompt_logprobs.items():
             st = self.states.get(rid)
             if st is not None:
                 # A chunk recomputed after preemption scores tokens already recorded: skip those.
                 st.prompt_logprobs.extend(entries[len(st.prompt_logprobs) - first:])
-        outputs = []
-        states = self.states
+        stopped = []
         for req in changed:
-            st = states[req.request_id]
-            if not st.passthrough:  # a passthrough state takes its tokens in when its output is built
-                self._take_tokens(req, st, result.logprobs.get(req.request_id))
-            if req.status.finished or not finished_only:
-                outputs.append(self.output(req))
-        return outputs
+            st = self.states[req.request_id]
+            # A passthrough state takes its tokens in when its output is built.
+            if not st.passthrough and self._take_tokens(req, st, result.logprobs.get(req.request_id)):
+                stopped.append((req, st.stop_string))
+        return stopped
 
-    def _take_tokens(self, req: Request, st: RequestState, logprobs: list[dict[int, float]] | None) -> None:
+    def outputs(self, changed: list[Request], finished_only: bool = False) -> list[RequestOutput]:
+        """Outputs for the changed requests (only finished ones with ``finished_only``)."""
+        return [self.output(req) for req in changed if req.status.finished or not finished_only]
+
+    def _take_tokens(self, req: Request, st: RequestState, logprobs: list[dict[int, float]] | None) -> bool:
         sp = st.sampling_params
         new = req.output_token_ids[st.num_tokens:]
         for i, token in enumerate(new):
@@ -83,11 +84,8 @@ class OutputProcessor:
             stopped_by_token = i == len(new) - 1 and req.status is RequestStatus.FINISHED_STOPPED
             if sp.stop and st.num_tokens >= sp.min_tokens and not stopped_by_token \
                     and self._truncate_at_stop_string(st, len(delta)):
-                if req.is_finished:  # ended by length on this very token: the stop string wins, as in vLLM
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, st.stop_string
-                else:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, st.stop_string)
-                return  # tokens after the stop (accepted drafts of the same step) are not shown
+                return True  # tokens after the stop (accepted drafts of the same step) are not shown
+        return False
 
     @staticmethod
     def _truncate_at_stop_string(st: RequestState, new_chars: int) -> bool:
@@ -109,6 +107,17 @@ class OutputProcessor:
         st.stop_string = s
         return True
 
+    @staticmethod
+    def _visible(st: RequestState, finished: bool) -> str:
+        """The text to show: with stop strings, all but the tail that could be the start of one
+        (it may be cut when the rest arrives); never less than shown before."""
+        stop = st.sampling_params.stop
+        if finished or not stop:
+            st.num_chars_shown = len(st.text)
+        else:
+            st.num_chars_shown = max(st.num_chars_shown, len(st.text) - (max(map(len, stop)) - 1))
+        return st.text[:st.num_chars_shown]
+
     def output(self, req: Request) -> RequestOutput:
         """The request's output as of now; a finished request's state is dropped."""
         st = self.states[req.request_id]
@@ -123,7 +132,7 @@ class OutputProcessor:
             prompt=st.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[CompletionOutput(
-                index=0, text=st.text, token_ids=req.output_token_ids[:n],
+                index=0, text=self._visible(st, req.is_finished), token_ids=req.output_token_ids[:n],
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 logprobs=list(st.logprobs) if sp.logprobs is not None else None)],
             finished=req.is_finished,

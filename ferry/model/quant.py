@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ferry.model.kernels import load_kernels
-from ferry.model.shard_plan import QK  # the smallest GGUF block (32 weights)
 
 
 @dataclass(frozen=True)

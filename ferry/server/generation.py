@@ -89,17 +89,11 @@ def error_of(out: RequestOutput) -> APIError | None:
     return None
 
 
-def hold_back(text: str, sent: int, finished: bool, stop: list[str]) -> tuple[str, int]:
-    """New text since ``sent`` chars. With stop strings, hold back what could be the start of one:
-    it may be cut when the rest of the stop string arrives."""
-    upto = len(text) if finished or not stop else max(sent, len(text) - (max(map(len, stop)) - 1))
-    return text[sent:upto], upto
-
-
-async def deltas(stream: Stream, num_choices: int, stop: list[str], usage: Usage,
+async def deltas(stream: Stream, num_choices: int, usage: Usage,
                  view: View | None = None) -> AsyncIterator[Delta]:
     """Each choice's new text as it comes (a choice's last delta has ``finished``), counting usage.
-    Raises StreamFailed for a failed or server-aborted request, EngineDead if the engine died."""
+    The engine's text already holds back what could start a stop string. Raises StreamFailed for
+    a failed or server-aborted request, EngineDead if the engine died."""
     sent = [0] * num_choices  # characters already given, per choice
     ntok = [0] * num_choices  # tokens already covered (for logprobs)
     async for i, out in stream:
@@ -110,10 +104,10 @@ async def deltas(stream: Stream, num_choices: int, stop: list[str], usage: Usage
             out = view(out)
         comp = out.outputs[0]
         usage.add(i, out)
-        text, upto = hold_back(comp.text, sent[i], out.finished, stop)
+        text = comp.text[sent[i]:]
         if text or out.finished:
             yield Delta(i, text, out, ntok[i], sent[i], out.finished)
-            sent[i], ntok[i] = upto, len(comp.token_ids) or 1
+            sent[i], ntok[i] = len(comp.text), len(comp.token_ids) or 1
 
 
 def sse(data: dict[str, Any], event: str | None = None) -> str:

@@ -173,7 +173,7 @@ async def messages(body: MessagesRequest, raw: Request):
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
-        return StreamingResponse(_events(ctx, stream, spec, parser, sp.stop, mid), media_type="text/event-stream")
+        return StreamingResponse(_events(ctx, stream, spec, parser, mid), media_type="text/event-stream")
     out = (await collect(stream, raw))[0]
     comp = out.outputs[0]
     reasoning, text, calls = ChoiceText(ctx, spec, parser).whole(comp.text)
@@ -191,8 +191,7 @@ async def messages(body: MessagesRequest, raw: Request):
                       "cache_read_input_tokens": usage.cached_tokens}}
 
 
-async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, stop: list[str],
-                  mid: str) -> AsyncIterator[str]:
+async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, mid: str) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop,
     message_delta (stop_reason, usage), message_stop; an error event if the request fails."""
     text = ChoiceText(ctx, spec, parser)
@@ -211,7 +210,7 @@ async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, stop:
 
     try:
         started = False
-        async for d in deltas(stream, 1, stop, usage):
+        async for d in deltas(stream, 1, usage):
             if not started:
                 started = True
                 yield sse({"type": "message_start", "message": {

@@ -142,7 +142,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
                 yield {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}]}
             usage = Usage(body.n)
-            async for d in deltas(stream, body.n, sp.stop, usage):
+            async for d in deltas(stream, body.n, usage):
                 ct = texts[d.index]
                 reasoning, content, calls = ct.feed(d.text, d.finished)
                 delta: dict[str, Any] = {}

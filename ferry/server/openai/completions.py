@@ -84,7 +84,7 @@ async def completions(body: CompletionRequest, raw: Request):
     if body.stream:
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             usage = Usage(body.n)
-            async for d in deltas(stream, len(echo), sp.stop, usage, view):
+            async for d in deltas(stream, len(echo), usage, view):
                 first = d.token_start == 0
                 lead = echo[d.index] if first else ""
                 offset = len(echo[d.index]) + d.text_start if not first else 0

@@ -155,7 +155,7 @@ async def responses(body: ResponsesRequest, raw: Request):
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return StreamingResponse(_events(ctx, body, stream, spec, parser, sp.stop, rid, created),
+        return StreamingResponse(_events(ctx, body, stream, spec, parser, rid, created),
                                  media_type="text/event-stream")
     out = (await collect(stream, raw))[0]
     comp = out.outputs[0]
@@ -177,7 +177,7 @@ async def responses(body: ResponsesRequest, raw: Request):
 
 
 async def _events(ctx: ServerContext, body: ResponsesRequest, stream: Any, spec: Any, parser: Any,
-                  stop: list[str], rid: str, created: int) -> AsyncIterator[str]:
+                  rid: str, created: int) -> AsyncIterator[str]:
     """The Responses event sequence: response.created, per item output_item.added, its content or
     argument deltas and their .done events, output_item.done, then response.completed (or .incomplete)."""
     seq = 0
@@ -226,7 +226,7 @@ async def _events(ctx: ServerContext, body: ResponsesRequest, stream: Any, spec:
     try:
         yield ev("response.created", response=_body(ctx, body, rid, created, "in_progress", [], None))
         yield ev("response.in_progress", response=_body(ctx, body, rid, created, "in_progress", [], None))
-        async for d in deltas(stream, 1, stop, usage):
+        async for d in deltas(stream, 1, usage):
             reasoning, content, calls = text.feed(d.text, d.finished)
             if reasoning:
                 if out.open is None or out.open["type"] != "reasoning":
