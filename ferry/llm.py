@@ -94,6 +94,13 @@ class LLM:
         prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              use_tqdm: bool = True) -> list[list[float]]:
+        """Each prompt's embedding: its final hidden states pooled (the last token's, or "mean")
+        and L2-normalised, computed through the same scheduler as generation."""
+        outs = self.generate(prompts, SamplingParams(pooling=pooling), use_tqdm=use_tqdm)
+        return [o.embedding for o in outs]
+
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = None

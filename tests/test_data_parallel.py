@@ -124,6 +124,8 @@ def test_prefix_aware_routing_metrics_and_state_per_replica(llm, browser):
         assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
         assert oai.responses.create(model=MODEL, input="hi", max_output_tokens=2).output
         assert httpx.post(url + "/v1/messages/count_tokens", json={"messages": ASK}).json()["input_tokens"] > 5
+        emb = oai.embeddings.create(model=MODEL, input=["one", "two"]).data
+        assert len(emb) == 2 and abs(sum(x * x for x in emb[0].embedding) - 1) < 1e-4
         assert 'endpoint="/v1/chat/completions"' in httpx.get(url + "/metrics", timeout=30).text
         # A replica that dies before its request streamed anything: the request moves to the other
         # replica and succeeds (a long prompt keeps it in prefill, with no output, for seconds).

@@ -297,8 +297,41 @@ def test_responses_function_call_and_its_output_back(client):
     assert after.output_text and after.usage.input_tokens > alone.usage.input_tokens + 10  # call and output rendered
 
 
+def test_responses_are_stored_and_continued_with_previous_response_id(client, llm):
+    first = client.responses.create(model=MODEL, input="My name is Ada. Say hi.", instructions="Be brief.",
+                                    max_output_tokens=6, temperature=0)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    follow = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    assert follow.previous_response_id == first.id
+    # The same conversation sent whole: the same prompt (instructions are not carried over), the same answer.
+    whole = [{"role": "user", "content": "My name is Ada. Say hi."},
+             {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "What is my name?"}]
+    again = client.responses.create(model=MODEL, input=whole, max_output_tokens=6, temperature=0, store=False)
+    assert again.usage.input_tokens == follow.usage.input_tokens and again.output_text == follow.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(again.id)  # store=False kept nothing
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="hi", previous_response_id=first.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_the_response_store_is_bounded():
+    from ferry.server.openai.response_store import ResponseStore
+
+    store = ResponseStore(max_entries=3, max_bytes=2000)
+    for i in range(5):
+        store.put(f"r{i}", {"id": f"r{i}"}, [{"text": "x" * 100}])
+    assert len(store) == 3 and store.get("r0") is None and store.get("r4") is not None
+    store.get("r2")  # used: the least recently used goes first
+    store.put("big", {"id": "big"}, [{"text": "y" * 900}])
+    assert store.get("r2") is not None and store.get("r3") is None
+    store.put("huge", {}, [{"text": "z" * 5000}])  # over the whole bound: not kept
+    assert store.get("huge") is None and store._bytes <= 2000
+
+
 @pytest.mark.parametrize("extra,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [RESP_WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": [{"type": "image_generation_call"}]}, "input[0].type"),

@@ -65,8 +65,10 @@ class KVCacheManager:
     def find_cached(self, req: Request) -> list[int]:
         """The blocks of ``req``'s longest cached prefix, at most ``num_tokens - 1`` tokens: the last
         token is always computed, as its logits give the next token. Takes nothing. A request
-        that asks for prompt logprobs needs every prompt position's logits: it reuses nothing."""
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        that asks for prompt logprobs needs every prompt position's logits, and a mean-pooled
+        embedding every position's hidden state: they reuse nothing."""
+        sp = req.sampling_params
+        if not self.enable_caching or sp.prompt_logprobs is not None or sp.pooling == "mean":
             return []
         found = []
         for h in self._hashes(req)[:(req.num_tokens - 1) // self.block_size]:

@@ -115,6 +115,8 @@ class ModelRunnerOutput:
     # Prompt logprobs computed this step: request_id -> (index of the first prompt token they
     # score, one entry per consecutive prompt token).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: request_id -> its pooled, normalised vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
     def update(self, other: "ModelRunnerOutput") -> None:
         """Take in the results of another part of the same step."""
@@ -122,6 +124,7 @@ class ModelRunnerOutput:
         self.logprobs.update(other.logprobs)
         self.errors.update(other.errors)
         self.prompt_logprobs.update(other.prompt_logprobs)
+        self.pooled.update(other.pooled)
 
 
 class ExecutorDead(RuntimeError):

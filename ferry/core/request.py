@@ -61,9 +61,10 @@ class Request:
     boarded_step: int = 0  # the scheduler step in which it last went from waiting to running
     num_recomputed_tokens: int = 0  # tokens whose KV was computed, dropped by preemption, computed again
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
-    # A stop token id, a stop string (set through the scheduler's finish path by the output
-    # processor) or an error message.
+    # A stop token id, a stop string (the output processor finds it, the engine finishes the
+    # request) or an error message.
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt is in
     times: RequestTimes = field(init=False)
     # Set once by the scheduler: monotonically increasing arrival sequence, breaks ties.
     seq: int = 0

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, replace
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by a
 # smaller one can overflow to inf (1e-39, 1e-45 and 1e-300 did: every token was then id 0).
 MIN_TEMPERATURE = 1e-5
+# How an embedding request pools its prompt's final hidden states (then L2-normalised): the last
+# token's (vLLM's default for decoder models) or the mean over every prompt token.
+POOLING_TYPES = ("last", "mean")
 # vLLM takes a seed as a signed 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -95,6 +98,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # grammar-constrained output
+    # Embed the prompt instead of generating: its pooled final hidden states (POOLING_TYPES).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +162,11 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of token ids >= 0")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "a StructuredOutputs")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_TYPES:
+                raise bad("pooling", " or ".join(map(repr, POOLING_TYPES)))
+            if self.n != 1 or self.structured_outputs is not None or self.logprobs is not None:
+                raise ValueError("pooling (an embedding) takes no n, structured_outputs or logprobs")
 
     def nth(self, k: int) -> "SamplingParams":
         """The k-th of n samples: n=1 and its own seed (when seeded), so samples differ but reproduce."""

@@ -179,7 +179,9 @@ class Scheduler:
                 new_block_ids = []
             in_flight[rid] = req
             drafts = req.spec_token_ids
-            chunks.append(ScheduledChunk(rid, start, num, new_block_ids, end >= len(req.all_token_ids),
+            # An embedding request samples nothing: its prompt's end ends it.
+            samples = end >= len(req.all_token_ids) and req.sampling_params.pooling is None
+            chunks.append(ScheduledChunk(rid, start, num, new_block_ids, samples,
                                          start >= len(req.prompt_token_ids) and num == 1 + len(drafts), drafts))
 
     def _board_waiting(self, out: SchedulerOutput, scheduled: dict[str, int], budget: int) -> None:
@@ -365,6 +367,10 @@ class Scheduler:
                 continue
             if not chunk.samples:
                 self.kv.after_step(req)
+                if req.sampling_params.pooling is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                    req.embedding = result.pooled.get(rid)
+                    self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                    changed.append(req)
                 continue  # a prefill chunk short of the prompt's end: no token yet
             tokens = result.sampled[rid]
             if chunk.spec_token_ids:

@@ -143,4 +143,5 @@ class OutputProcessor:
                                    t.token_times[:n], req.num_preemptions, req.num_recomputed_tokens,
                                    req.num_cached_tokens),
             num_new_tokens=num_new_tokens,
+            embedding=req.embedding,
         )

@@ -69,3 +69,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Tokens this output adds to the previous one (with speculation a step may add several).
     num_new_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's normalised vector (SamplingParams.pooling)

@@ -27,10 +27,13 @@ class PackedBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # the sampling rows
     prompt_indices: torch.Tensor  # the prompt-logprob rows (their logits are made a block at a time)
+    pool_indices: torch.Tensor  # the rows embedding requests pool
     # Requests that sample, in row order, each with its chunk (1 + len(spec_token_ids) rows).
     sampling: list[tuple[CachedRequest, ScheduledChunk]]
     # Requests that score prompt tokens: (request, index of the first token scored, how many).
     prompt_spans: list[tuple[CachedRequest, int, int]]
+    # Embedding requests: (request, position of the first row pooled, how many, whether the prompt ends here).
+    pool_spans: list[tuple[CachedRequest, int, int, bool]]
 
     def to(self, device: torch.device) -> "PackedBatch":
         """The batch on ``device``: packed on the host, sent once per step (nothing on the CPU)."""
@@ -38,7 +41,9 @@ class PackedBatch:
             return self
         return PackedBatch(self.input_ids.to(device, non_blocking=True), self.positions.to(device, non_blocking=True),
                            self.meta.to(device), self.logits_indices.to(device, non_blocking=True),
-                           self.prompt_indices.to(device, non_blocking=True), self.sampling, self.prompt_spans)
+                           self.prompt_indices.to(device, non_blocking=True),
+                           self.pool_indices.to(device, non_blocking=True), self.sampling, self.prompt_spans,
+                           self.pool_spans)
 
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -106,9 +111,20 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
     logit_rows: list[int] = []
     prompt_rows: list[int] = []
     prompt_spans: list[tuple[CachedRequest, int, int]] = []
+    pool_rows: list[int] = []
+    pool_spans: list[tuple[CachedRequest, int, int, bool]] = []
     row = 0
     for c in ordered:
         r = reqs[c.request_id]
+        pooling = r.sampling_params.pooling
+        if pooling is not None and not c.padding:
+            ends = c.start + c.num_tokens >= r.num_prompt_tokens
+            if pooling == "mean":
+                pool_rows.extend(range(row, row + c.num_tokens))
+                pool_spans.append((r, c.start, c.num_tokens, ends))
+            elif ends:  # "last": the prompt's last row only
+                pool_rows.append(row + c.num_tokens - 1)
+                pool_spans.append((r, c.start + c.num_tokens - 1, 1, True))
         if r.sampling_params.prompt_logprobs is not None and not c.padding:
             # Position p's logits score prompt token p + 1.
             n = min(c.start + c.num_tokens, r.num_prompt_tokens - 1) - c.start
@@ -128,4 +144,5 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),
         meta=meta, logits_indices=torch.tensor(logit_rows, dtype=torch.long),
-        prompt_indices=torch.tensor(prompt_rows, dtype=torch.long), sampling=sampling, prompt_spans=prompt_spans)
+        prompt_indices=torch.tensor(prompt_rows, dtype=torch.long), pool_indices=torch.tensor(pool_rows, dtype=torch.long),
+        sampling=sampling, prompt_spans=prompt_spans, pool_spans=pool_spans)

@@ -15,11 +15,12 @@ from ferry.core.sampling_params import SamplingParams
 from ferry.engine.profiler import StepProfiler, no_tick
 from ferry.executor.batch import PackedBatch, pack
 from ferry.executor.request_state import RequestStates
+from ferry.executor.pooling import pool
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, resolve_device
-from ferry.model.llama import LlamaModel
+from ferry.model.llama import ForwardOutput, LlamaModel
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
 from ferry.model.tokenizer import load_tokenizer
@@ -175,21 +176,20 @@ class ModelExecutor:
         self.tick("pack")
         return batch
 
-    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The sampling rows' logits and the scored prompt rows (see ``LlamaModel.forward``)."""
+    def forward(self, batch: PackedBatch) -> ForwardOutput:
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                  batch.logits_indices, batch.prompt_indices)
+                                  batch.logits_indices, batch.prompt_indices, batch.pool_indices)
 
-    def sample(self, batch: PackedBatch, out: tuple[torch.Tensor, torch.Tensor | None]) -> ModelRunnerOutput:
-        """Sample (and score prompt tokens) from the forward pass's output; record the new tokens."""
-        logits, prompt_rows = out
+    def sample(self, batch: PackedBatch, out: ForwardOutput) -> ModelRunnerOutput:
+        """Sample (and score prompt tokens, pool embeddings) from the forward pass; record the new tokens."""
         result = ModelRunnerOutput()
         if batch.sampling:
-            result.sampled, result.logprobs = self.sampler.sample(logits, batch.sampling)
+            result.sampled, result.logprobs = self.sampler.sample(out.logits, batch.sampling)
         if batch.prompt_spans:
-            # A tensor-parallel model has already projected its prompt rows (a collective of all ranks).
-            project = self.model.project if self.model.comm is None else None
-            result.prompt_logprobs = prompt_logprobs(prompt_rows, batch.prompt_spans, project)
+            project = None if out.prompt_projected else self.model.project
+            result.prompt_logprobs = prompt_logprobs(out.prompt_rows, batch.prompt_spans, project)
+        if batch.pool_spans:
+            result.pooled = pool(out.pool_rows, batch.pool_spans)
         self.states.append_tokens(result.sampled)
         self.tick("sample")
         return result

@@ -7,6 +7,7 @@ the tokens the executor samples are appended here, so the scheduler never ships 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ferry.core.outputs import SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
@@ -21,6 +22,9 @@ class CachedRequest:
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # A mean-pooled embedding's running sum of hidden states, and the prompt positions it holds.
+    pool_sum: Any = None
+    pool_upto: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -25,6 +25,18 @@ from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shar
 Weight = torch.Tensor | QuantWeight
 
 
+@dataclass
+class ForwardOutput:
+    """What a forward pass gives the sampler."""
+
+    logits: torch.Tensor  # float32 [sampling rows, vocab]
+    # Scored prompt rows' final normed hidden states, which ``LlamaModel.project`` turns into logits
+    # a block at a time; already logits when ``prompt_projected`` (tensor parallelism).
+    prompt_rows: torch.Tensor | None = None
+    pool_rows: torch.Tensor | None = None  # embedding requests' final normed hidden states
+    prompt_projected: bool = False
+
+
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) [T, top_k] of each token: the softmax's top k, renormalised if ``renorm``."""
     probs = torch.softmax(F.linear(h, router).float(), dim=-1)
@@ -252,11 +264,10 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                prompt_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed tokens in; out, float32 logits for the rows in ``logits_indices`` and, for the rows in
-        ``prompt_indices`` (scored prompt tokens), their final normed hidden states, which
-        ``project`` turns into logits a block at a time (a tensor-parallel model returns those
-        rows' logits at once, its LM head being a collective of all ranks)."""
+                prompt_indices: torch.Tensor | None = None, pool_indices: torch.Tensor | None = None
+                ) -> ForwardOutput:
+        """Packed tokens in; out, float32 logits for the rows in ``logits_indices`` and the final
+        normed hidden states of the rows in ``prompt_indices`` and ``pool_indices``."""
         cfg = self.cfg
         T = input_ids.shape[0]
         hd, hq, hkv = cfg.head_dim, self.num_heads, self.num_kv_heads
@@ -266,7 +277,7 @@ class LlamaModel:
         tick("embed")
         if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
             self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
-            return self._outputs(x, logits_indices, prompt_indices, tick)
+            return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
         rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos, sin = rotations[layer.rope]
@@ -304,7 +315,7 @@ class LlamaModel:
                 h = h if comm is None else comm.all_reduce(h)
             x = x + (h if layer.mlp_out_norm is None else rms_norm(h, layer.mlp_out_norm, cfg.rms_norm_eps))
             tick("down")
-        return self._outputs(x, logits_indices, prompt_indices, tick)
+        return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._lookup(input_ids)
@@ -322,15 +333,17 @@ class LlamaModel:
         return self.comm.all_reduce(x * mine.unsqueeze(1).to(x.dtype))
 
     def _outputs(self, x: torch.Tensor, rows: torch.Tensor, prompt_rows: torch.Tensor | None,
-                 tick: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 pool_rows: torch.Tensor | None, tick: Callable[[str], None]) -> ForwardOutput:
+        def normed(idx: torch.Tensor | None) -> torch.Tensor | None:
+            return rms_norm(x[idx], self.norm, self.cfg.rms_norm_eps) if idx is not None and idx.numel() else None
+
         logits = self.project(rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps))
-        hidden = None
-        if prompt_rows is not None and prompt_rows.numel():
-            hidden = rms_norm(x[prompt_rows], self.norm, self.cfg.rms_norm_eps)
-            if self.comm is not None:
-                hidden = self.project(hidden)
+        out = ForwardOutput(logits, normed(prompt_rows), normed(pool_rows))
+        if self.comm is not None and out.prompt_rows is not None:
+            out.prompt_rows = self.project(out.prompt_rows)  # a collective of all ranks: now, on each
+            out.prompt_projected = True
         tick("lm_head")
-        return logits, hidden
+        return out
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final normed hidden states (the LM head, with any final soft-cap)."""

@@ -1,7 +1,8 @@
 """The HTTP API over the async engine: ``build_app`` mounts one router per protocol.
 
 Routes: GET|HEAD /health, GET /metrics, POST /reset_prefix_cache (here); GET /v1/models[/{id}],
-POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (``openai/``); POST /v1/messages[/count_tokens] (``anthropic/``); POST /tokenize, /detokenize
+POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/embeddings
+(``openai/``); POST /v1/messages[/count_tokens] (``anthropic/``); POST /tokenize, /detokenize
 (``tokenize.py``); GET /dashboard[/state] (``dashboard.py``). Every error, whatever raised it, has
 OpenAI's body {"error": {"message", "type", "param", "code"}}, or Anthropic's under /v1/messages (``errors.py``).
 """
@@ -36,7 +37,7 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
     same methods). The engine's step loop starts with the app and stops with it."""
     from ferry.server import tokenize
     from ferry.server.anthropic import messages
-    from ferry.server.openai import chat, completions, models, responses
+    from ferry.server.openai import chat, completions, embeddings, models, responses
 
     if isinstance(engine, AsyncEngine) and engine.metrics is None:
         engine.observe(model_name)
@@ -81,7 +82,7 @@ def build_app(engine: AsyncEngine | ReplicaSet, model_name: str, api_key: str | 
         by_endpoint = counted[-1].text() if counted else b""
         return Response(await engine.prometheus() + by_endpoint, media_type=CONTENT_TYPE_LATEST)
 
-    for module in (models, completions, chat, responses, tokenize, messages):
+    for module in (models, completions, chat, responses, embeddings, tokenize, messages):
         app.include_router(module.router)
     app.include_router(dashboard_router(engine, model_name))
     return app

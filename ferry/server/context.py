@@ -3,7 +3,7 @@ submission steps shared by all protocols. One per app, on ``app.state.ctx``."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -11,6 +11,7 @@ from fastapi import Request
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, Stream, SubRequest
 from ferry.server.errors import APIError, bad_value
+from ferry.server.openai.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from ferry.server.replicas import ReplicaSet  # imports Ray's names only when used
@@ -24,6 +25,7 @@ class ServerContext:
     model_name: str
     tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
     reasoning_parser: str | None = None  # --reasoning-parser; None: no reasoning split
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
 
     @property
     def tokenizer(self) -> Any:

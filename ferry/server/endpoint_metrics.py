@@ -7,7 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 # The endpoints counted by name; any other path is "other" (a scan of random paths cannot grow the labels).
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/messages",
              "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics")
 
 
@@ -25,7 +25,8 @@ class EndpointMetrics:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+        endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") \
+            else "/v1/responses" if path.startswith("/v1/responses/") else "other"
         status = [500]
 
         async def counted_send(message: dict) -> None:

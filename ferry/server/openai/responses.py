@@ -1,5 +1,6 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless (nothing is stored: ``store`` is taken as
-false and ``previous_response_id`` is refused), on the same generation core, tools and reasoning."""
+"""``POST /v1/responses``: OpenAI's Responses API on the same generation core, tools and reasoning;
+responses are stored (``store``, true by default, bounded: ``response_store.py``) so that
+``previous_response_id`` continues a conversation, and ``GET|DELETE /v1/responses/{id}`` read them."""
 from __future__ import annotations
 
 import json
@@ -39,14 +40,21 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
-def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The input items (messages, function calls and their outputs) as chat messages."""
-    conv: list[dict[str, Any]] = []
-    if body.instructions:
-        conv.append({"role": "system", "content": body.instructions})
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a text is one user message)."""
     if isinstance(body.input, str):
-        return conv + [{"role": "user", "content": body.input}]
-    for i, item in enumerate(body.input):
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return list(body.input)
+
+
+def conversation(instructions: str | None, items: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
+    """Input items (messages, function calls and their outputs) as chat messages; items from
+    ``first`` on are the request's own (the ones before, a stored conversation's)."""
+    conv: list[dict[str, Any]] = []
+    if instructions:  # a previous response's instructions are not carried over (OpenAI's rule)
+        conv.append({"role": "system", "content": instructions})
+    for n, item in enumerate(items):
+        i = n - first
         kind = item.get("type", "message")
         where = f"input[{i}]"
         if kind == "message":
@@ -126,7 +134,8 @@ def _body(ctx: ServerContext, body: ResponsesRequest, rid: str, created: int, st
             "output": items, "instructions": body.instructions, "tools": body.tools or [],
             "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-            "previous_response_id": None, "store": False, "metadata": body.metadata or {}, "error": None,
+            "previous_response_id": body.previous_response_id, "store": body.store is not False,
+            "metadata": body.metadata or {}, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
             "usage": None if usage is None else {
@@ -140,14 +149,21 @@ def _body(ctx: ServerContext, body: ResponsesRequest, rid: str, created: int, st
 async def responses(body: ResponsesRequest, raw: Request):
     ctx = context(raw)
     ctx.check_model(body.model)
+    before: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        raise APIError(400, "previous_response_id: this server stores no responses (stateless); send the "
-                       "whole conversation as input items", param="previous_response_id")
+        stored = ctx.responses.get(body.previous_response_id)
+        if stored is None:
+            raise APIError(404, f"previous_response_id: no stored response {body.previous_response_id!r} "
+                           f"(never stored, deleted, or dropped from the bounded store)",
+                           param="previous_response_id", code="not_found")
+        before = stored.items
+    items = before + input_items(body)
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise APIError(400, f"max_output_tokens must be an integer >= 1, got {body.max_output_tokens}",
                        param="max_output_tokens")
     tools, choice = _tools(body)
-    spec, prompt = await chat_prompt(ctx, conversation(body), tools, choice, body.parallel_tool_calls, None)
+    spec, prompt = await chat_prompt(ctx, conversation(body.instructions, items, len(before)), tools, choice,
+                                     body.parallel_tool_calls, None)
     sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], temperature=body.temperature,
                                      top_p=body.top_p)
     parser = tool_parser(ctx)
@@ -155,29 +171,51 @@ async def responses(body: ResponsesRequest, raw: Request):
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return StreamingResponse(_events(ctx, body, stream, spec, parser, rid, created),
+        return StreamingResponse(_events(ctx, body, stream, spec, parser, rid, created, items),
                                  media_type="text/event-stream")
     out = (await collect(stream, raw))[0]
     comp = out.outputs[0]
     reasoning, text, calls = ChoiceText(ctx, spec, parser).whole(comp.text)
-    items: list[dict[str, Any]] = []
+    outputs: list[dict[str, Any]] = []
     if reasoning:
         r = _reasoning()
         r["content"][0]["text"], r["status"] = reasoning, "completed"
-        items.append(r)
+        outputs.append(r)
     if text or not calls:
         m = _message()
         m["content"][0]["text"], m["status"] = text, "completed"
-        items.append(m)
+        outputs.append(m)
     for c in calls:
-        items.append({**_call(c.openai()), "arguments": c.arguments, "status": "completed"})
+        outputs.append({**_call(c.openai()), "arguments": c.arguments, "status": "completed"})
     incomplete = "max_output_tokens" if comp.finish_reason == "length" else None
-    return _body(ctx, body, rid, created, "incomplete" if incomplete else "completed", items,
-                 usage_of([out], 1), incomplete)
+    final = _body(ctx, body, rid, created, "incomplete" if incomplete else "completed", outputs,
+                  usage_of([out], 1), incomplete)
+    _store(ctx, body, final, items)
+    return final
+
+
+def _store(ctx: ServerContext, body: ResponsesRequest, final: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    if body.store is not False:
+        ctx.responses.put(final["id"], final, items + final["output"])
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, raw: Request) -> dict[str, Any]:
+    stored = context(raw).responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
+    return stored.body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw: Request) -> dict[str, Any]:
+    if not context(raw).responses.delete(response_id):
+        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="not_found")
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 async def _events(ctx: ServerContext, body: ResponsesRequest, stream: Any, spec: Any, parser: Any,
-                  rid: str, created: int) -> AsyncIterator[str]:
+                  rid: str, created: int, items: list[dict[str, Any]]) -> AsyncIterator[str]:
     """The Responses event sequence: response.created, per item output_item.added, its content or
     argument deltas and their .done events, output_item.done, then response.completed (or .incomplete)."""
     seq = 0
@@ -259,8 +297,10 @@ async def _events(ctx: ServerContext, body: ResponsesRequest, stream: Any, spec:
                     yield e
                 incomplete = "max_output_tokens" if d.completion.finish_reason == "length" else None
                 kind = "response.incomplete" if incomplete else "response.completed"
-                yield ev(kind, response=_body(ctx, body, rid, created, "incomplete" if incomplete else "completed",
-                                              out.items, usage, incomplete))
+                final = _body(ctx, body, rid, created, "incomplete" if incomplete else "completed",
+                              out.items, usage, incomplete)
+                _store(ctx, body, final, items)
+                yield ev(kind, response=final)
     except StreamFailed as f:
         yield ev("error", code=f.error.code or f.error.type, message=f.error.message, param=None)
     except EngineDead as e:
