@@ -183,11 +183,49 @@ def test_every_route_asks_for_the_same_tool_settings():
     from ferry.server.openai.chat import tool_overrides
 
     auto = tool_spec([WEATHER], "auto", None)
+    # Mistral's marker is a special token, no text for a structural tag to trigger on.
     assert tool_overrides(auto, PARSERS["mistral"]) == {"skip_special_tokens": False}
-    assert tool_overrides(auto, PARSERS["llama3_json"]) == {"skip_special_tokens": False}
-    assert tool_overrides(auto, PARSERS["hermes"]) == {}
+    assert set(tool_overrides(auto, PARSERS["llama3_json"])) == {"skip_special_tokens", "structured_outputs"}
+    assert tool_overrides(auto, PARSERS["hermes"])["structured_outputs"].structural_tag
+    assert tool_overrides(auto, PARSERS["hermes"], constrained=True) == {}  # the request's own constraint wins
     assert tool_overrides(None, PARSERS["mistral"]) == {}
     named = tool_spec([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert set(tool_overrides(named, PARSERS["mistral"])) == {"structured_outputs"}
     for route in (chat.chat, responses.responses, messages.messages):
-        assert "tool_overrides(spec, parser)" in inspect.getsource(route), route.__name__
+        assert "tool_overrides(spec, parser" in inspect.getsource(route), route.__name__
+
+
+@pytest.mark.parametrize("parser", ["generic_json", "hermes", "llama3_json"])
+def test_under_auto_text_is_free_until_a_call_opens_then_the_call_is_valid(llm, parser):
+    """The structural tag of tool_choice auto: any text passes; once the model writes the format's
+    call opening, only an offered function's name and arguments valid for its schema may follow."""
+    import torch
+
+    from ferry.server.tools.spec import call_tags
+
+    trigger, begin, end = PARSERS[parser].call_frame
+    so = call_tags(tool_spec([WEATHER], "auto", None), PARSERS[parser].call_frame)
+    grammars, tok, vocab = llm.engine.executor.grammars, llm.tokenizer, llm.engine.executor.vocab_size
+
+    def allowed(g, ids: list[int]) -> torch.Tensor:
+        row = torch.zeros(vocab)
+        g.mask(row, ids)
+        return torch.isfinite(row)
+
+    call = begin.format(name='"get_weather"') + '{"city": "Paris"}' + end
+    for text in ("Sure, I can check that for you. " + call + " Done.", "No tools needed: 42."):
+        ids, g = tok.encode(text, add_special_tokens=False), grammars.new_request(so)
+        for k, t in enumerate(ids):
+            assert allowed(g, ids[:k])[t], (text, tok.decode(ids[:k + 1]))
+            g.advance(t)
+    # Once the opening is written, a name that is not offered, or arguments off the schema, are not.
+    head = "Let me look. " + begin.format(name='"get_weather"')
+    for wrong in ("Let me look. " + begin.format(name='"get_time"'), head + '{"town": "Paris"}'):
+        ids, g = tok.encode(wrong, add_special_tokens=False), grammars.new_request(so)
+        ok = True
+        for k, t in enumerate(ids):
+            if not allowed(g, ids[:k])[t]:
+                ok = False
+                break
+            g.advance(t)
+        assert not ok and len(tok.decode(ids[:k])) >= len("Let me look. ") + len(trigger) - 1, wrong

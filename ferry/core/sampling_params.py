@@ -22,7 +22,9 @@ class StructuredOutputs:
     ``json``: a JSON schema (a dict, or its JSON text) the output must validate against;
     ``json_object``: any JSON object; ``regex``: a regular expression the whole output matches;
     ``choice``: the output is one of these strings; ``grammar``: an EBNF grammar in xgrammar's
-    syntax (GBNF-like, start rule ``root``, e.g. ``root ::= "yes" | "no"``).
+    syntax (GBNF-like, start rule ``root``, e.g. ``root ::= "yes" | "no"``); ``structural_tag``:
+    xgrammar's structural tag (a JSON object: free text where its triggers allow, each tag's
+    content constrained once begun; what tool calls under ``tool_choice: auto`` use).
     Checked here for shape only; the executor compiles it when the request arrives.
     """
 
@@ -31,15 +33,16 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
-        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs: set exactly one of json, json_object, regex, choice, "
-                             f"grammar; got {' and '.join(given) if given else 'none'}")
+                             f"grammar, structural_tag; got {' and '.join(given) if given else 'none'}")
 
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"structured_outputs.{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -67,6 +70,13 @@ class StructuredOutputs:
             raise bad("choice", "a non-empty list of non-empty strings")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise bad("grammar", "a non-empty string")
+        if self.structural_tag is not None:
+            try:
+                tag = _json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else None
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag: not valid JSON: {e}") from None
+            if not isinstance(tag, dict):
+                raise bad("structural_tag", "a structural tag: the JSON text of an object")
 
 
 @dataclass

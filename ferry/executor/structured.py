@@ -183,11 +183,13 @@ class GrammarCompiler:
                 compiled = c.compile_json_schema(text, any_whitespace=False)
             elif kind == "regex":
                 compiled = c.compile_regex(text)
+            elif kind == "structural_tag":
+                compiled = c.compile_structural_tag(text)
             else:  # choice, grammar: EBNF
                 compiled = c.compile_grammar(text)
         except (RuntimeError, ValueError) as e:
             what = {"json": "invalid JSON schema", "regex": "invalid regular expression",
-                    "grammar": "invalid EBNF grammar"}.get(kind, "cannot compile")
+                    "grammar": "invalid EBNF grammar", "structural_tag": "invalid structural tag"}.get(kind, "cannot compile")
             raise ValueError(f"structured_outputs.{kind}: {what}: {_clean(e)}") from None
         with self._lock:
             self._cache[(kind, text)] = compiled
@@ -346,5 +348,7 @@ def _key(spec: StructuredOutputs) -> tuple[str, str]:
     if spec.choice is not None:
         # EBNF string literals take JSON's escapes; non-ASCII stays as UTF-8 text.
         return "choice", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    if spec.structural_tag is not None:
+        return "structural_tag", spec.structural_tag
     assert spec.grammar is not None
     return "grammar", spec.grammar

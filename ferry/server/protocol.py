@@ -70,6 +70,7 @@ class StructuredOutputsField(BaseModel):
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    structural_tag: StrictStr | None = None
 
 
 class _Sampling(BaseModel):
@@ -153,7 +154,7 @@ class _Sampling(BaseModel):
         if so is not None:
             asked.append(("structured_outputs", StructuredOutputs(
                 json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                json_object=bool(so.json_object))))
+                json_object=bool(so.json_object), structural_tag=so.structural_tag)))
         if len(asked) > 1:
             raise UnsupportedField(asked[1][0], "give one output constraint, not several: "
                                    + ", ".join(name for name, _ in asked))

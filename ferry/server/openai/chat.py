@@ -19,7 +19,7 @@ from ferry.server.tools.calls import ToolCall
 from ferry.server.tools.output import ToolOutput, finish_reason
 from ferry.server.tools.parsers import PARSERS, ToolParser, parser_for_template
 from ferry.server.tools.render import with_tools
-from ferry.server.tools.spec import ToolSpec, tool_spec
+from ferry.server.tools.spec import ToolSpec, call_tags, tool_spec
 
 router = APIRouter()
 
@@ -93,15 +93,21 @@ async def chat_prompt(ctx: ServerContext, messages: list[Any], tools: list[dict[
     return spec, prompt
 
 
-def tool_overrides(spec: ToolSpec | None, parser: ToolParser) -> dict[str, Any]:
+def tool_overrides(spec: ToolSpec | None, parser: ToolParser, constrained: bool = False) -> dict[str, Any]:
     """The sampling settings a request's tools ask for (every route that takes tools): the grammar of
-    a required or named call, and under `auto` the special tokens kept when the parser's call
-    marker is one (Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>)."""
+    a required or named call; under `auto`, the structural tag that constrains a call once the
+    model opens one (unless the request ``constrained`` its output itself), and the special
+    tokens kept when the parser's call marker is one (Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>)."""
     if spec is None:
         return {}
     if spec.constrained:
         return {"structured_outputs": spec.grammar()}
-    return {"skip_special_tokens": False} if spec.choice == "auto" and parser.special_markers else {}
+    if spec.choice != "auto":
+        return {}
+    out: dict[str, Any] = {"skip_special_tokens": False} if parser.special_markers else {}
+    if parser.call_frame is not None and not constrained:
+        out["structured_outputs"] = call_tags(spec, parser.call_frame)
+    return out
 
 
 @router.post("/v1/chat/completions")
@@ -124,7 +130,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         raise APIError(400, "tool_choice 'required' or a named function already constrains the output; "
                        "send no response_format or structured_outputs with it", param="tool_choice")
     sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs,
-                    **tool_overrides(spec, parser))
+                    **tool_overrides(spec, parser, body.structured() is not None))
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name}

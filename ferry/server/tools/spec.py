@@ -56,6 +56,21 @@ class ToolSpec:
         return StructuredOutputs(json=schema)
 
 
+def call_tags(spec: ToolSpec, frame: tuple[str, str, str]) -> StructuredOutputs:
+    """Under tool_choice auto: text is free until the model opens a call (``frame``, a parser's
+    ``call_frame``); from there to the call's end it must name an offered function and give
+    arguments valid for its schema (xgrammar's triggered tags). One call per output without
+    parallel tool calls."""
+    trigger, begin, end = frame
+    # One space at most in a row: a sampled run of whitespace could otherwise never end.
+    tags = [{"type": "tag", "begin": begin.format(name=json.dumps(f.name)), "end": end,
+             "content": {"type": "json_schema", "json_schema": f.parameters, "max_whitespace_cnt": 1}}
+            for f in spec.functions]
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                                                "stop_after_first": not spec.parallel}}
+    return StructuredOutputs(structural_tag=json.dumps(tag))
+
+
 def check_schema(schema: Any, param: str) -> None:
     """A 400 naming ``param`` unless ``schema`` is a valid JSON Schema (draft 2020-12)."""
     from jsonschema import Draft202012Validator

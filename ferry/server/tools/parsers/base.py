@@ -24,6 +24,10 @@ class ToolParser:
     leads: tuple[str, ...] = ("{", "[")  # with start None: how the output must begin to be a call
     special_markers: bool = False  # the markers are special tokens: the text must keep them
     short_ids: bool = False  # call ids of 9 letters and digits (Mistral's templates refuse others)
+    # How one call is written, for a structural tag under tool_choice auto: (the text that opens a
+    # call, its opening up to the arguments with {name} for the function's JSON-quoted name, what
+    # follows the arguments). None: the format has no plain-text marker to trigger on.
+    call_frame: tuple[str, str, str] | None = None
 
 
 def register(parser: ToolParser) -> ToolParser:

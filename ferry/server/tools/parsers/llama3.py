@@ -39,4 +39,5 @@ def _split_objects(body: str) -> list[str]:
 
 
 LLAMA3 = register(ToolParser("llama3_json", None, None, read_llama3, template_marks=("<|python_tag|>",),
-                             leads=("{", TAG), special_markers=True))
+                             leads=("{", TAG), special_markers=True,
+                             call_frame=('{"name"', '{{"name": {name}, "parameters": ', "}")))
