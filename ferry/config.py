@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, as vLLM's ``--speculative-config`` spells it. Only ``ngram`` (prompt
@@ -84,6 +87,10 @@ class EngineConfig:
     # lets oneDNN round the inputs to bfloat16 (AMX or AVX512-BF16 CPUs; float32 sums), ~3x
     # faster prefill at a small accuracy cost (README). The C kernels are float32 either way.
     fp32_matmul_precision: str = "ieee"
+    # The KV cache's element type (vLLM's flag): "auto" is the model's dtype; "bfloat16" or
+    # "float16" hold K/V in half the bytes (twice the tokens in the same memory, half the bytes
+    # decode attention streams), rounded once as written; accuracy cost in README.
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
@@ -133,6 +140,7 @@ class EngineConfig:
         check(self.quantization in (None, "gguf", "none"), "quantization", "'gguf' or 'none'")
         check(self.quant_activations in ("exact", "q8"), "quant_activations", "'exact' or 'q8'")
         check(self.fp32_matmul_precision in ("ieee", "bf16"), "fp32_matmul_precision", "'ieee' or 'bf16'")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", ", ".join(map(repr, KV_CACHE_DTYPES)))
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               "'auto', 'float32', 'bfloat16' or 'float16'")
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")

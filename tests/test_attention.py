@@ -9,11 +9,13 @@ from ferry.model.attention import AttentionMetadata, decode_attention_kernel, de
 from ferry.model.kernels import load_kernels
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 40)])
-def test_kernel_matches_reference(block_size, hq, hkv, d):
+def test_kernel_matches_reference(block_size, hq, hkv, d, kv_dtype):
     """Contexts shorter than a tile, across tiles and across the kernel's ranges (split and merged),
-    grouped and plain heads, and a head size that is no multiple of the vector width."""
+    grouped and plain heads, a head size that is no multiple of the vector width, and each KV
+    cache dtype (16-bit caches widened as read: the same values torch reads)."""
     if load_kernels() is None:
         pytest.fail("the attention kernel could not be built (no C compiler?)")
     g = torch.Generator().manual_seed(block_size)
@@ -29,8 +31,8 @@ def test_kernel_matches_reference(block_size, hq, hkv, d):
     table = torch.zeros(len(lens), max_blocks, dtype=torch.long)
     for i, t in enumerate(tables):
         table[i, :len(t)] = torch.tensor(t)
-    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=g)
-    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=g)
+    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=g).to(kv_dtype)
     q = torch.randn(len(lens), hq, d, generator=g)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
                              decode_block_tables=table, decode_lens=torch.tensor(lens), block_size=block_size,
@@ -49,3 +51,23 @@ def test_skinny_gemm_matches_torch(m, n, k):
     g = torch.Generator().manual_seed(m * n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     torch.testing.assert_close(skinny_linear(x, w), x @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_decode_writes_the_cache_as_torch_rounds(kv_dtype):
+    """The C decode writes new K/V into a 16-bit cache rounded to nearest even, as torch's .to()
+    does (and NaN stays NaN): the same cache whichever path wrote it."""
+    import ctypes
+
+    from ferry.model.kernels import load_kernels
+
+    lib = load_kernels()
+    if lib is None:
+        pytest.fail("the kernels could not be built (no C compiler?)")
+    x = torch.cat([torch.randn(4000) * 10.0 ** torch.randint(-6, 6, (4000,)),
+                   torch.tensor([0.0, -0.0, 65504.0, 1e-8, float("inf"), float("nan"), 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])])
+    out = torch.empty(x.numel(), dtype=kv_dtype)
+    lib.kv_store(out.data_ptr(), x.data_ptr(), x.numel(), {torch.bfloat16: 1, torch.float16: 2}[kv_dtype])
+    want = x.to(kv_dtype)
+    same = (out.view(torch.int16) == want.view(torch.int16)) | (torch.isnan(out.float()) & torch.isnan(want.float()))
+    assert bool(same.all()), x[~same][:5]

@@ -83,12 +83,13 @@ def run_accuracy(config: EngineConfig, text: str | None = None, n_ctx: int = 512
     from ferry import LLM
 
     exact_cfg = replace(config, fp32_matmul_precision="ieee", dtype="float32", quantization=None,
-                        quant_activations="exact")
+                        quant_activations="exact", kv_cache_dtype="auto")
     exact, other = LLM(**vars(exact_cfg)), LLM(**vars(config))
     prompts = [exact.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
     report = {"settings": {"dtype": config.dtype, "quantization": config.quantization,
                            "quant_activations": config.quant_activations,
-                           "fp32_matmul_precision": config.fp32_matmul_precision},
+                           "fp32_matmul_precision": config.fp32_matmul_precision,
+                           "kv_cache_dtype": config.kv_cache_dtype},
               **compare(exact, other, prompts)}
     if text is not None:
         tokens = exact.tokenizer.encode(text, add_special_tokens=False)

@@ -20,7 +20,7 @@ from ferry.engine.step_stats import StepStats
 _RUNS = itertools.count()
 
 # Settings that shape the loaded model and its KV cache; the rest only change scheduling.
-MODEL_SETTINGS = ("model", "load_format", "dtype", "device", "gpu_memory_utilization", "quantization", "quant_activations", "fp32_matmul_precision", "max_model_len", "block_size", "num_kv_blocks",
+MODEL_SETTINGS = ("model", "load_format", "dtype", "device", "gpu_memory_utilization", "quantization", "quant_activations", "fp32_matmul_precision", "kv_cache_dtype", "max_model_len", "block_size", "num_kv_blocks",
                   "kv_cache_memory_gb", "seed", "num_threads", "cache_dir")
 
 

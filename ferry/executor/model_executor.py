@@ -110,7 +110,8 @@ class ModelExecutor:
         self.tokenizer = setup.tokenizer
         self.eos_token_ids = setup.eos_token_ids
         self.block_size = config.block_size
-        elem = torch.tensor([], dtype=dtype).element_size()
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
         # Every rank has the same number of blocks (one scheduler, one block table), sized for the
         # rank holding the most KV heads.
         bytes_per_block = 2 * cfg.num_layers * config.block_size * plan.max_kv_heads * cfg.head_dim * elem
@@ -134,9 +135,11 @@ class ModelExecutor:
         # 2 GiB memset at start-up, and only the blocks in use ever take memory.
         shape = (cfg.num_layers, 2, slots, plan.num_kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
-            cache = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
+            # Lazily zeroed pages of the cache's own size (a float32 array cast down would touch them all).
+            raw = np.zeros(shape, dtype=np.float32 if kv_dtype is torch.float32 else np.int16)
+            cache = torch.from_numpy(raw).view(kv_dtype)
         else:
-            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,

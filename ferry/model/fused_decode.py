@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ferry.model.attention import AttentionMetadata
+from ferry.model.attention import KV_KINDS, AttentionMetadata
 from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import QuantWeight
@@ -34,7 +34,7 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "block_size")] \
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", _i64)]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", _i64), ("kv", _i64)]
 
 
 def _ptr_type(w: Any) -> tuple[int, int]:
@@ -50,7 +50,7 @@ class FusedDecode:
         self.layers = layers  # keeps the weights alive while the C side points at them
         self.ropes = ropes or []  # per-layer rope tables (layer.rope indexes them), kept alive too
         self.dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          cfg.intermediate_size, 0, cfg.rms_norm_eps, scale, int(cfg.hidden_act == "gelu_tanh"))
+                          cfg.intermediate_size, 0, cfg.rms_norm_eps, scale, int(cfg.hidden_act == "gelu_tanh"), 0)
         self._table: Any = None
         self._caches: Any = None
         self.times = (ctypes.c_double * len(PARTS))()
@@ -82,6 +82,7 @@ class FusedDecode:
         """x: [B, hidden] float32 contiguous, one decode per row; changed in place."""
         table = self._layer_table(kv_caches)
         self.dims.block_size = meta.block_size
+        self.dims.kv = KV_KINDS[kv_caches[0][0].dtype]
         tables = meta.decode_block_tables
         for i in range(len(PARTS)):
             self.times[i] = 0.0

@@ -14,17 +14,19 @@
 #include <string.h>
 #include <time.h>
 
+#include "kv_types.h"
+
 void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K);
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
-void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *tables,
+void paged_decode_attention(const float *q, const void *k, const void *v, const int64_t *tables,
                             const int64_t *lens, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale, int64_t window);
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv);
 
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias;
     const void *qkv, *o_proj, *gate_up, *down;
     int64_t qkv_type, o_type, gate_up_type, down_type; /* -1: float32, else quant_gemm's type */
-    float *k_cache, *v_cache;                          /* [slots, Hkv, D] */
+    void *k_cache, *v_cache;                           /* [slots, Hkv, D] of dims' kv type */
     int64_t window;                                    /* sliding window, 0: none */
     const float *q_norm, *k_norm;                      /* per-head RMS norm weights before rope, or NULL */
     const float *cos, *sin;                            /* this layer's rope tables [positions, D] */
@@ -35,6 +37,7 @@ typedef struct {
     int64_t hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
     int64_t gelu; /* the MLP's gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU) */
+    int64_t kv;   /* the KV cache's element type (kv_types.h) */
 } dims_t;
 
 /* Where the time goes, for the step profiler: seconds per part, added to times[]. */
@@ -104,12 +107,12 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
             }
             rope(row, Hq + Hkv, D, lc + positions[b] * D, ls + positions[b] * D);
             memcpy(q + b * Hq * D, row, sizeof(float) * Hq * D);
-            memcpy(L->k_cache + slots[b] * kv, row + Hq * D, sizeof(float) * kv);
-            memcpy(L->v_cache + slots[b] * kv, row + Hq * D + kv, sizeof(float) * kv);
+            store_kv((char *)L->k_cache + slots[b] * kv * kv_size(d->kv), row + Hq * D, kv, d->kv);
+            store_kv((char *)L->v_cache + slots[b] * kv * kv_size(d->kv), row + Hq * D + kv, kv, d->kv);
         }
         LAP(T_ROPE);
         paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, attn, B, Hq, Hkv, D,
-                               d->block_size, max_blocks, d->scale, L->window);
+                               d->block_size, max_blocks, d->scale, L->window, d->kv);
         LAP(T_ATTN);
         matmul(attn, L->o_proj, L->o_type, tmp, B, H, Hq * D);
         if (L->attn_out_norm) rms_norm(tmp, L->attn_out_norm, tmp, B, H, d->eps);

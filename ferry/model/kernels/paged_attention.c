@@ -2,7 +2,8 @@
  * through the block table, instead of gathering the context into a new tensor.
  *
  * q:      [B, Hq, D]      one query token per request
- * k, v:   [S, Hkv, D]     the layer's cache, S = num_blocks * block_size slots
+ * k, v:   [S, Hkv, D]     the layer's cache, S = num_blocks * block_size slots, of type kv:
+ *                         KV_F32, KV_BF16 or KV_F16 (16-bit caches are widened to float32 as read)
  * tables: [B, max_blocks] block ids of each request
  * lens:   [B]             context length of each request (the query's own token included)
  * out:    [B, Hq, D]
@@ -16,6 +17,7 @@
 #include <string.h>
 
 #include "vec.h"
+#include "kv_types.h"
 #define TILE V
 
 static inline float hmax(vf x) {
@@ -50,25 +52,26 @@ static inline vf vexp(vf x) {
  * of a tile. o, mx, sum: per query head, the unnormalised output, running max and sum (the
  * caller merges the ranges of one request). */
 static inline __attribute__((always_inline)) void one_range(
-        const float *q, const float *k, const float *v, const int64_t *table, int64_t j0, int64_t j1,
-        float *o, float *mx, float *sum, int64_t Hkv, int64_t block_size, float scale, const int G, const int NV) {
-    const int64_t D = NV * V, row = Hkv * D;
+        const void *k, const void *v, const float *q, const int64_t *table, int64_t j0, int64_t j1,
+        float *o, float *mx, float *sum, int64_t Hkv, int64_t block_size, float scale, const int G, const int NV,
+        const int kv) {
+    const int64_t D = NV * V, row = Hkv * D, es = kv_size(kv);
     for (int64_t i = 0; i < Hkv * G * D; i++) o[i] = 0.f;
     for (int64_t hq = 0; hq < Hkv * G; hq++) { mx[hq] = -INFINITY; sum[hq] = 0.f; }
     for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
         const int64_t n = j1 - t0 < TILE ? j1 - t0 : TILE;
-        const float *rows_k[TILE], *rows_v[TILE];
+        const char *rows_k[TILE], *rows_v[TILE];
         for (int64_t t = 0; t < n; t++) {
-            const int64_t off = (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * row;
-            rows_k[t] = k + off;
-            rows_v[t] = v + off;
+            const int64_t off = (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * row * es;
+            rows_k[t] = (const char *)k + off;
+            rows_v[t] = (const char *)v + off;
         }
         /* The next tile's rows: ask for them now, while this tile computes. */
         for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < j1; j++) {
-            const int64_t off = (table[j / block_size] * block_size + j % block_size) * row;
-            for (int64_t i = 0; i < row; i += 16) {
-                __builtin_prefetch(k + off + i);
-                __builtin_prefetch(v + off + i);
+            const int64_t off = (table[j / block_size] * block_size + j % block_size) * row * es;
+            for (int64_t i = 0; i < row * es; i += 64) {
+                __builtin_prefetch((const char *)k + off + i);
+                __builtin_prefetch((const char *)v + off + i);
             }
         }
         for (int64_t h = 0; h < Hkv; h++) {
@@ -82,12 +85,12 @@ static inline __attribute__((always_inline)) void one_range(
                     ov[g][i] = loadv(oh + g * D + i * V);
                 }
             for (int64_t t = 0; t < n; t++) {
-                const float *kt = rows_k[t] + h * D;
-                vf kv[NV];
-                for (int i = 0; i < NV; i++) kv[i] = loadv(kt + i * V);
+                const char *kt = rows_k[t] + h * D * es;
+                vf kr[NV];
+                for (int i = 0; i < NV; i++) kr[i] = load_kv(kt, i * V, kv);
                 for (int g = 0; g < G; g++) {
-                    vf acc = qv[g][0] * kv[0];
-                    for (int i = 1; i < NV; i++) acc += qv[g][i] * kv[i];
+                    vf acc = qv[g][0] * kr[0];
+                    for (int i = 1; i < NV; i++) acc += qv[g][i] * kr[i];
                     p[g][t] = hsum(acc);
                 }
             }
@@ -103,9 +106,9 @@ static inline __attribute__((always_inline)) void one_range(
                 for (int i = 0; i < NV; i++) ov[g][i] *= corr;
             }
             for (int64_t t = 0; t < n; t++) {
-                const float *vt = rows_v[t] + h * D;
+                const char *vt = rows_v[t] + h * D * es;
                 for (int i = 0; i < NV; i++) {
-                    const vf x = loadv(vt + i * V);
+                    const vf x = load_kv(vt, i * V, kv);
                     for (int g = 0; g < G; g++) ov[g][i] += p[g][t] * x;
                 }
             }
@@ -116,11 +119,15 @@ static inline __attribute__((always_inline)) void one_range(
 }
 
 /* one_range for a (G, D) the switch below instantiates; returns 0 for another shape. */
-static int one_range_any(const float *q, const float *k, const float *v, const int64_t *table, int64_t j0,
+static int one_range_any(const float *q, const void *k, const void *v, const int64_t *table, int64_t j0,
                          int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D,
-                         int64_t G, int64_t block_size, float scale) {
+                         int64_t G, int64_t block_size, float scale, int64_t kv) {
 #define CASE(g, nv) case (g) * 100 + (nv): \
-        one_range(q, k, v, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv); return 1;
+        if (kv == KV_BF16) one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, KV_BF16); \
+        else if (kv == KV_F16) one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, KV_F16); \
+        else one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, KV_F32); \
+        return 1;
+    if (D % V) return 0;
     switch (G * 100 + D / V) {
         CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
         CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8) CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
@@ -131,15 +138,15 @@ static int one_range_any(const float *q, const float *k, const float *v, const i
 }
 
 /* one_range for any head shape, plainly (all heads): scores, their exponentials, then V. */
-static void one_range_plain(const float *q, const float *k, const float *v, const int64_t *table,
+static void one_range_plain(const float *q, const void *k, const void *v, const int64_t *table,
                             int64_t j0, int64_t j1, float *o, float *mx, float *sum, int64_t G,
-                            int64_t Hkv, int64_t D, int64_t block_size, float scale, float *scores) {
+                            int64_t Hkv, int64_t D, int64_t block_size, float scale, float *scores, int64_t kv) {
     const int64_t row = Hkv * D, L = j1 - j0, Hq = G * Hkv;
     for (int64_t j = 0; j < L; j++) {
-        const float *kj = k + (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row;
+        const int64_t kj = (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row;
         for (int64_t hq = 0; hq < Hq; hq++) {
             float s = 0.f;
-            for (int64_t d = 0; d < D; d++) s += q[hq * D + d] * kj[hq / G * D + d];
+            for (int64_t d = 0; d < D; d++) s += q[hq * D + d] * kv_at(k, kj + hq / G * D + d, kv);
             scores[hq * L + j] = s * scale;
         }
     }
@@ -152,19 +159,19 @@ static void one_range_plain(const float *q, const float *k, const float *v, cons
     }
     for (int64_t i = 0; i < Hq * D; i++) o[i] = 0.f;
     for (int64_t j = 0; j < L; j++) {
-        const float *vj = v + (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row;
+        const int64_t vj = (table[(j0 + j) / block_size] * block_size + (j0 + j) % block_size) * row;
         for (int64_t hq = 0; hq < Hq; hq++)
-            for (int64_t d = 0; d < D; d++) o[hq * D + d] += scores[hq * L + j] * vj[hq / G * D + d];
+            for (int64_t d = 0; d < D; d++) o[hq * D + d] += scores[hq * L + j] * kv_at(v, vj + hq / G * D + d, kv);
     }
 }
 
 /* Slots per work item: long contexts are split so that one request still uses every thread. */
 #define RANGE 256
 
-void paged_decode_attention(const float *q, const float *k, const float *v,
+void paged_decode_attention(const float *q, const void *k, const void *v,
                             const int64_t *tables, const int64_t *lens, float *out,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv) {
     const int64_t G = Hq / Hkv;
     /* Work items: (request, range of RANGE slots); first[b] is request b's first item. With a
      * sliding window (window > 0) a request's ranges cover its last `window` positions only. */
@@ -187,10 +194,10 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
             const int64_t j1 = j0 + RANGE < lens[b] ? j0 + RANGE : lens[b];
             const float *qb = q + b * Hq * D;
             if (!one_range_any(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
-                               ps + it * Hq, Hkv, D, G, block_size, scale)) {
+                               ps + it * Hq, Hkv, D, G, block_size, scale, kv)) {
                 if (!scores) scores = malloc(sizeof(float) * Hq * RANGE);
                 one_range_plain(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
-                                ps + it * Hq, G, Hkv, D, block_size, scale, scores);
+                                ps + it * Hq, G, Hkv, D, block_size, scale, scores, kv);
             }
         }
         free(scores);
@@ -216,3 +223,6 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
     free(owner);
     free(first);
 }
+
+/* store_kv for tests: the fused decode's writes into a cache, on their own. */
+void kv_store(void *dst, const float *src, int64_t n, int64_t kv) { store_kv(dst, src, n, kv); }

@@ -1,0 +1,75 @@
+"""16-bit KV caches (``kv_cache_dtype``): twice the blocks in the same memory, the float32 cache's
+greedy tokens on the parity prompts, a stated logprob bound, and within each dtype the same tokens
+however requests are batched, chunked, preempted or served from the prefix cache."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from ferry import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+# Measured on the parity prompts (max / mean |d logprob| of prompt tokens against the float32
+# cache): float16 0.0097 / 0.0008, bfloat16 0.095 / 0.006. The bounds leave room for other CPUs.
+BOUNDS = {"float16": (0.03, 0.003), "bfloat16": (0.25, 0.02)}
+
+
+@pytest.fixture(scope="module")
+def float32_results(llm, parity_prompts):
+    llm.engine.reset_prefix_cache()
+    greedy = [o.outputs[0].token_ids for o in llm.generate(parity_prompts, GREEDY, use_tqdm=False)]
+    return greedy, llm.generate(parity_prompts, SCORE, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_cache_keeps_the_greedy_tokens_within_a_logprob_bound(llm, parity_prompts, float32_results, kv_dtype):
+    greedy, scored = float32_results
+    half = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
+    assert half.engine.num_kv_blocks // 2 == llm.engine.num_kv_blocks  # the cache is sized in bytes
+    assert half.engine.executor.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
+    assert [o.outputs[0].token_ids for o in half.generate(parity_prompts, GREEDY, use_tqdm=False)] == greedy
+    diffs = [abs(a.prompt_logprobs[j][p[j]] - b.prompt_logprobs[j][p[j]])
+             for a, b, p in zip(scored, half.generate(parity_prompts, SCORE, use_tqdm=False), parity_prompts)
+             for j in range(1, len(p))]
+    top, mean = BOUNDS[kv_dtype]
+    assert max(diffs) < top and statistics.mean(diffs) < mean
+    assert max(diffs) > 0  # really rounded
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_cache_gives_the_same_tokens_however_requests_are_batched(parity_prompts, kv_dtype):
+    """Alone, together, in 16-token chunks from the prefix cache, preempted: one answer per dtype
+    (a chunk's own K/V are read rounded too, so chunking cannot change what attention sees)."""
+    one = LLM(kv_cache_dtype=kv_dtype)
+    alone = [one.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in parity_prompts]
+    assert [o.outputs[0].token_ids for o in one.generate(parity_prompts, GREEDY, use_tqdm=False)] == alone
+    small = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, enable_prefix_caching=True)
+    for _ in range(2):  # the second time from the prefix cache
+        assert [o.outputs[0].token_ids for o in small.generate(parity_prompts, GREEDY, use_tqdm=False)] == alone
+    assert small.engine.scheduler.kv.num_hit_tokens > 0
+    tight = LLM(kv_cache_dtype=kv_dtype, num_kv_blocks=80, max_num_batched_tokens=256)
+    assert [o.outputs[0].token_ids for o in tight.generate(parity_prompts, GREEDY, use_tqdm=False)] == alone
+    assert tight.engine.num_preemptions > 0
+    torch_path = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16)
+    torch_path.engine.executor.model.use_kernel = False  # the torch reference reads the same cache
+    torch_path.engine.executor.model.fused = None
+    assert [o.outputs[0].token_ids for o in torch_path.generate(parity_prompts[:4], GREEDY, use_tqdm=False)] == alone[:4]
+
+
+def test_an_unknown_kv_cache_dtype_is_named():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="q4")
+
+
+def test_tensor_parallel_ranks_hold_their_shards_in_16_bits(parity_prompts):
+    prompts = parity_prompts[1:4]
+    one = LLM(kv_cache_dtype="bfloat16")
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    two = LLM(kv_cache_dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
+    finally:
+        two.close()
