@@ -2,6 +2,7 @@
  * read and rounded to nearest even as written, as torch converts. One table for every kernel. */
 #ifndef FERRY_KV_TYPES_H
 #define FERRY_KV_TYPES_H
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,9 +27,19 @@ static inline vf load_kv(const void *row, int64_t i, const int kv) {
         memcpy(&x, &w, sizeof x);
         return x;
     }
+    /* F16C's conversion: gcc turns a _Float16 vector's conversion into one per lane. */
+#if defined(__AVX512F__)
+    const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+#elif defined(__F16C__)
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+#else
     vh f;
     memcpy(&f, &h, sizeof f);
-    return __builtin_convertvector(f, vf);
+    const vf x = __builtin_convertvector(f, vf);
+#endif
+    vf out;
+    memcpy(&out, &x, sizeof out);
+    return out;
 }
 
 static inline float kv_at(const void *base, int64_t i, int64_t kv) {
