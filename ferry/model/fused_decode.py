@@ -1,7 +1,9 @@
 """The decoder layers of a decode-only step as one C call (``kernels/decode_layers.c``).
 
 With few requests a decode step does little arithmetic per operation, and in torch it pays ~25
-operation dispatches per layer; the C path runs the same operations with none. Steps with a
+operation dispatches per layer; the C path runs the same operations with none. A tensor-parallel
+rank calls it twice per layer, for the attention and the MLP halves, and all-reduces each half's
+partial output in between. Steps with a
 prefill chunk, or more rows than ``FUSED_DECODE_ROWS``, go through torch, where each operation's
 work is large enough to pay for its dispatch.
 """
@@ -11,6 +13,7 @@ import ctypes
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ferry.model.attention import KV_KINDS, AttentionMetadata
 from ferry.model.config import ModelConfig
@@ -45,12 +48,18 @@ class FusedDecode:
     """Holds the layers' pointers for the C call; ``run`` updates the residual stream in place."""
 
     def __init__(self, cfg: ModelConfig, layers: list[Any], scale: float,
-                 ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 heads: tuple[int, int] | None = None, comm: Any = None) -> None:
+        """``heads``: this rank's (query, KV) heads, and its slice of the MLP is its weights' (tensor
+        parallelism, with ``comm`` its collectives); the whole model's by default."""
         self.cfg = cfg
         self.layers = layers  # keeps the weights alive while the C side points at them
         self.ropes = ropes or []  # per-layer rope tables (layer.rope indexes them), kept alive too
-        self.dims = _Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          cfg.intermediate_size, 0, cfg.rms_norm_eps, scale, int(cfg.hidden_act == "gelu_tanh"), 0)
+        self.comm = comm
+        hq, hkv = heads or (cfg.num_heads, cfg.num_kv_heads)
+        inter = layers[0].gate_up.shape[0] // 2 if layers and layers[0].gate_up is not None else cfg.intermediate_size
+        self.dims = _Dims(cfg.hidden_size, hq, hkv, cfg.head_dim, inter, 0, cfg.rms_norm_eps, scale,
+                          int(cfg.hidden_act == "gelu_tanh"), 0)
         self._table: Any = None
         self._caches: Any = None
         self.times = (ctypes.c_double * len(PARTS))()
@@ -86,9 +95,19 @@ class FusedDecode:
         tables = meta.decode_block_tables
         for i in range(len(PARTS)):
             self.times[i] = 0.0
-        load_kernels().decode_layers(
-            table, len(self.layers), ctypes.byref(self.dims), x.data_ptr(), x.shape[0],
-            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), tables.shape[1],
-            meta.decode_lens.data_ptr(), meta.slot_mapping.data_ptr(), self.times)
+        args = (ctypes.byref(self.dims), x.data_ptr(), x.shape[0], positions.data_ptr(), cos.data_ptr(),
+                sin.data_ptr(), tables.data_ptr(), tables.shape[1], meta.decode_lens.data_ptr(),
+                meta.slot_mapping.data_ptr(), self.times)
+        lib = load_kernels()
+        if self.comm is None:
+            lib.decode_layers(table, len(self.layers), *args, -1, None)
+        else:
+            out, size = torch.empty_like(x), ctypes.sizeof(_Layer)
+            for i, layer in enumerate(self.layers):
+                one = ctypes.addressof(table) + i * size
+                for part, out_norm in ((0, layer.attn_out_norm), (1, layer.mlp_out_norm)):
+                    lib.decode_layers(one, 1, *args, part, out.data_ptr())
+                    self.comm.all_reduce(out)
+                    x += out if out_norm is None else F.rms_norm(out, (out.shape[-1],), out_norm, self.cfg.rms_norm_eps)
         if profiler is not None:
             profiler.split(dict(zip(PARTS, self.times)), "layers")

@@ -254,12 +254,11 @@ class LlamaModel:
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
-        # The kernels take any K (quantized weights come in whole blocks) and any head size. The
-        # fused decode runs whole layers in C, with no place for the ranks' all-reduces inside a
-        # layer: tensor-parallel ranks decode through torch.
-        # Architectures whose layers have more than the C decode computes (q/k norms) decode through torch.
-        self.fused = FusedDecode(cfg, self.layers, self.scale, self.ropes) \
-            if self.use_kernel and self.comm is None and cfg.fused_decode else None
+        # The kernels take any K (quantized weights come in whole blocks) and any head size; a
+        # tensor-parallel rank runs each layer's halves in C with its all-reduces between them.
+        # Architectures whose layers have more than the C decode computes (experts) decode through torch.
+        self.fused = FusedDecode(cfg, self.layers, self.scale, self.ropes, (self.num_heads, self.num_kv_heads),
+                                 self.comm) if self.use_kernel and cfg.fused_decode else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -77,9 +77,13 @@ static void rope(float *v, int64_t heads, int64_t D, const float *c, const float
     }
 }
 
+/* part < 0: every layer, each output added to the residual stream x. A tensor-parallel rank runs
+ * one layer's half at a time (part 0: attention to the o product, 1: the MLP) into out, its partial
+ * sum, which the ranks all-reduce before it joins x (the caller adds it, normed where the layer says). */
 void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, float *x, int64_t B,
                    const int64_t *positions, const float *cos, const float *sin, const int64_t *tables,
-                   int64_t max_blocks, const int64_t *lens, const int64_t *slots, double *times) {
+                   int64_t max_blocks, const int64_t *lens, const int64_t *slots, double *times,
+                   int64_t part, float *out) {
     const int64_t H = d->hidden, D = d->head_dim, Hq = d->n_heads, Hkv = d->n_kv_heads, I = d->intermediate;
     const int64_t nqkv = (Hq + 2 * Hkv) * D, kv = Hkv * D;
     float *h = malloc(sizeof(float) * B * H), *qkv = malloc(sizeof(float) * B * nqkv);
@@ -90,6 +94,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
 #define LAP(part) (t1 = now(), times[part] += t1 - t, t = t1)
     for (int64_t l = 0; l < n_layers; l++) {
         const layer_t *L = layers + l;
+        if (part == 1) goto mlp;
         rms_norm(x, L->input_norm, h, B, H, d->eps);
         LAP(T_NORM);
         matmul(h, L->qkv, L->qkv_type, qkv, B, nqkv, H);
@@ -114,10 +119,16 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
         paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, attn, B, Hq, Hkv, D,
                                d->block_size, max_blocks, d->scale, L->window, d->kv);
         LAP(T_ATTN);
+        if (part == 0) {
+            matmul(attn, L->o_proj, L->o_type, out, B, H, Hq * D);
+            LAP(T_O);
+            break;
+        }
         matmul(attn, L->o_proj, L->o_type, tmp, B, H, Hq * D);
         if (L->attn_out_norm) rms_norm(tmp, L->attn_out_norm, tmp, B, H, d->eps);
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
         LAP(T_O);
+    mlp:
         rms_norm(x, L->post_norm, h, B, H, d->eps);
         LAP(T_NORM);
         matmul(h, L->gate_up, L->gate_up_type, gu, B, 2 * I, H);
@@ -130,6 +141,11 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
                 act[b * I + i] = a * gu[b * 2 * I + I + i];
             }
         LAP(T_ACT);
+        if (part == 1) {
+            matmul(act, L->down, L->down_type, out, B, H, I);
+            LAP(T_DOWN);
+            break;
+        }
         matmul(act, L->down, L->down_type, tmp, B, H, I);
         if (L->mlp_out_norm) rms_norm(tmp, L->mlp_out_norm, tmp, B, H, d->eps);
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from ferry.engine.outputs import RequestOutput
 from ferry.server.context import ServerContext, context
-from ferry.server.errors import APIError
+from ferry.server.errors import APIError, bad_value
 from ferry.server.generation import Usage, collect, deltas, include_usage, openai_sse, usage_of
 from ferry.server.logprobs import chat_logprobs, prompt_logprobs_json
 from ferry.server.protocol import ChatCompletionRequest
@@ -126,11 +126,15 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     max_tokens = getattr(body, field)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"{field} must be an integer >= 1, got {max_tokens}", param=field)
-    if spec is not None and spec.constrained and body.structured() is not None:
+    try:
+        own_format = body.structured() is not None
+    except ValueError as e:
+        raise bad_value(e) from None
+    if spec is not None and spec.constrained and own_format:
         raise APIError(400, "tool_choice 'required' or a named function already constrains the output; "
                        "send no response_format or structured_outputs with it", param="tool_choice")
     sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs,
-                    **tool_overrides(spec, parser, body.structured() is not None))
+                    **tool_overrides(spec, parser, own_format))
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name}
