@@ -98,7 +98,8 @@ class LLM:
               use_tqdm: bool = True) -> list[list[float]]:
         """Each prompt's embedding: its final hidden states pooled (the last token's, or "mean")
         and L2-normalised, computed through the same scheduler as generation."""
-        outs = self.generate(prompts, SamplingParams(pooling=pooling), use_tqdm=use_tqdm)
+        # max_tokens 1: an embedding generates nothing, so it reserves no room past its prompt.
+        outs = self.generate(prompts, SamplingParams(pooling=pooling, max_tokens=1), use_tqdm=use_tqdm)
         return [o.embedding for o in outs]
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -56,7 +56,7 @@ def test_skinny_gemm_matches_torch(m, n, k):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 def test_the_fused_decode_writes_the_cache_as_torch_rounds(kv_dtype):
     """The C decode writes new K/V into a 16-bit cache rounded to nearest even, as torch's .to()
-    does (and NaN stays NaN): the same cache whichever path wrote it."""
+    does (subnormals, overflow to infinity, NaN stays NaN): the same cache whichever path wrote it."""
     import ctypes
 
     from ferry.model.kernels import load_kernels
@@ -64,8 +64,11 @@ def test_the_fused_decode_writes_the_cache_as_torch_rounds(kv_dtype):
     lib = load_kernels()
     if lib is None:
         pytest.fail("the kernels could not be built (no C compiler?)")
-    x = torch.cat([torch.randn(4000) * 10.0 ** torch.randint(-6, 6, (4000,)),
-                   torch.tensor([0.0, -0.0, 65504.0, 1e-8, float("inf"), float("nan"), 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])])
+    x = torch.cat([torch.randn(4000) * 10.0 ** torch.randint(-9, 6, (4000,)),
+                   torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, 1e-8, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -24,
+                                 6.1e-5, 2.0 ** -14 * (1 - 2 ** -11), float("inf"), float("nan"), 1.0 + 2 ** -8,
+                                 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11])])
+    x = torch.cat([x, -x])
     out = torch.empty(x.numel(), dtype=kv_dtype)
     lib.kv_store(out.data_ptr(), x.data_ptr(), x.numel(), {torch.bfloat16: 1, torch.float16: 2}[kv_dtype])
     want = x.to(kv_dtype)

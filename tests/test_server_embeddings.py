@@ -52,3 +52,10 @@ def test_floats_mean_pooling_and_bad_input(llm, url):
         assert r.status_code in (400, 404, 422) and r.json()["error"]["param"] in (param, f"body.{param}"), (body, r.text)
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert 'endpoint="/v1/embeddings"' in metrics
+
+
+def test_an_embedding_reserves_no_room_past_its_prompt(llm):
+    room = llm.engine.config.max_model_len
+    prompt = [(7 * i) % 20000 + 100 for i in range(room - 3)]  # 16 generated tokens would not fit
+    [vector] = llm.embed([prompt], use_tqdm=False)
+    assert len(vector) == 576

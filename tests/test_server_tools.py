@@ -366,3 +366,13 @@ def test_tokenize_and_detokenize_round_trip(url):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = httpx.post(url + "/tokenize", json={"prompt": "x", "messages": ASK})
     assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+
+
+def test_a_tool_schema_the_grammar_engine_refuses_runs_unconstrained_under_auto(client):
+    """Under auto the structural tag is a help, not a condition: a schema JSON Schema accepts but
+    xgrammar cannot compile (a look-behind in a pattern) leaves the call unconstrained, not a 400."""
+    odd = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "(?<=x)y"}}}}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Look up code 7."}],
+                                       tools=[odd], tool_choice="auto", max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -65,7 +65,8 @@ class ShardPlan:
         if cfg.num_experts:  # each rank holds a slice of every expert, as of a dense MLP
             if cfg.moe_intermediate_size < world:
                 raise ValueError(f"tensor_parallel_size {world} is more than the experts' intermediate size")
-            experts = split(cfg.moe_intermediate_size, world, rank, QK)
+            mi = cfg.moe_intermediate_size
+            experts = split(mi, world, rank, QK_K if mi % QK_K == 0 and mi >= QK_K * world else QK)
         return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank, mlp_align),
                    split(cfg.vocab_size, world, rank), vocab[1] - vocab[0], max_kv, experts)
 

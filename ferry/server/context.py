@@ -3,10 +3,13 @@ submission steps shared by all protocols. One per app, on ``app.state.ctx``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+
+log = logging.getLogger(__name__)
 
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, Stream, SubRequest
@@ -84,10 +87,16 @@ class ServerContext:
             raise APIError(400, f"n must be an integer in [1, 128], got {n}", param="n")
         return [SubRequest(p, sp if n == 1 else sp.nth(k), priority) for p in prompts for k in range(n)]
 
-    async def submit(self, subs: list[SubRequest]) -> Stream:
+    async def submit(self, subs: list[SubRequest], tag_fallback: bool = False) -> Stream:
+        """Queue the sub-requests (errors as the API's). ``tag_fallback``: their structural tag is
+        the tools' own under tool_choice auto; when it does not compile (a schema the grammar
+        engine refuses, or too slow) the calls are parsed unconstrained instead of failing."""
         try:
             return await self.engine.submit(subs)
         except ValueError as e:
+            if tag_fallback and str(e).startswith("structured_outputs.structural_tag"):
+                log.warning("tool calls under auto run unconstrained: %s", e)
+                return await self.submit([replace(s, params=replace(s.params, structured_outputs=None)) for s in subs])
             raise bad_value(e) from None
         except EngineOverloaded as e:
             raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from None

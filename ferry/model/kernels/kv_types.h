@@ -1,59 +1,78 @@
 /* The KV cache's element types (``--kv-cache-dtype``): float32, or 16 bits widened to float32 as
- * read and rounded to nearest even as written, as torch converts. One table for every kernel. */
+ * read and rounded to nearest even as written, as torch converts. One table for every kernel.
+ * No _Float16: gcc before 12 has none on x86 (the kernels must still build there). */
 #ifndef FERRY_KV_TYPES_H
 #define FERRY_KV_TYPES_H
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
+#include "quant_types.h"
 #include "vec.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
 typedef uint16_t vu16 __attribute__((vector_size(V * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(V * 4)));
-typedef _Float16 vh __attribute__((vector_size(V * 2)));
 
 static inline int64_t kv_size(int64_t kv) { return kv == KV_F32 ? 4 : 2; }
-
-/* V values from element i of a row of type kv. */
-static inline vf load_kv(const void *row, int64_t i, const int kv) {
-    if (kv == KV_F32) return loadv((const float *)row + i);
-    vu16 h;
-    memcpy(&h, (const uint16_t *)row + i, sizeof h);
-    if (kv == KV_BF16) {
-        const vu32 w = __builtin_convertvector(h, vu32) << 16;
-        vf x;
-        memcpy(&x, &w, sizeof x);
-        return x;
-    }
-    /* F16C's conversion: gcc turns a _Float16 vector's conversion into one per lane. */
-#if defined(__AVX512F__)
-    const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-#elif defined(__F16C__)
-    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-#else
-    vh f;
-    memcpy(&f, &h, sizeof f);
-    const vf x = __builtin_convertvector(f, vf);
-#endif
-    vf out;
-    memcpy(&out, &x, sizeof out);
-    return out;
-}
 
 static inline float kv_at(const void *base, int64_t i, int64_t kv) {
     if (kv == KV_F32) return ((const float *)base)[i];
     const uint16_t h = ((const uint16_t *)base)[i];
+    if (kv == KV_F16) return qt_f16((const uint8_t *)&h);
+    const uint32_t w = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &w, sizeof x);
+    return x;
+}
+
+/* V values from element i of a row of type kv. */
+static inline vf load_kv(const void *row, int64_t i, const int kv) {
+    if (kv == KV_F32) return loadv((const float *)row + i);
+    vf out;
     if (kv == KV_BF16) {
-        const uint32_t w = (uint32_t)h << 16;
-        float x;
-        memcpy(&x, &w, sizeof x);
-        return x;
+        vu16 h;
+        memcpy(&h, (const uint16_t *)row + i, sizeof h);
+        const vu32 w = __builtin_convertvector(h, vu32) << 16;
+        memcpy(&out, &w, sizeof out);
+        return out;
     }
-    _Float16 f;
-    memcpy(&f, &h, sizeof f);
-    return (float)f;
+#if defined(__AVX512F__)
+    const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    memcpy(&out, &x, sizeof out);
+#elif defined(__F16C__) && V == 8
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    memcpy(&out, &x, sizeof out);
+#else
+    for (int j = 0; j < V; j++) out[j] = kv_at(row, i + j, KV_F16);
+#endif
+    return out;
+}
+
+/* A float as an IEEE half, rounded to nearest even (overflow to infinity, NaN stays NaN). */
+static inline uint16_t kv_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t a = x & 0x7fffffff;
+    if (a > 0x7f800000) return sign | 0x7e00;               /* NaN */
+    if (a >= 0x477ff000) return sign | 0x7c00;              /* rounds past 65504: infinity */
+    if (a < 0x38800000) {                                   /* below the smallest normal half */
+        if (a < 0x33000000) return sign;                    /* under half the smallest subnormal */
+        const uint32_t e = a >> 23, m = (a & 0x7fffff) | 0x800000;
+        const uint32_t shift = 126 - e;                     /* to units of 2^-24 */
+        uint32_t h = m >> shift;
+        const uint32_t rest = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (h & 1))) h++;
+        return sign | (uint16_t)h;
+    }
+    uint32_t h = ((a >> 13) - (112u << 10));                 /* rebias the exponent */
+    const uint32_t rest = a & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry into the exponent is right */
+    return sign | (uint16_t)h;
 }
 
 /* n floats into a row of type kv (round to nearest even; NaN stays NaN). */
@@ -62,8 +81,7 @@ static inline void store_kv(void *dst, const float *src, int64_t n, int64_t kv) 
     uint16_t *out = (uint16_t *)dst;
     for (int64_t i = 0; i < n; i++) {
         if (kv == KV_F16) {
-            const _Float16 f = (_Float16)src[i];
-            memcpy(out + i, &f, 2);
+            out[i] = kv_half(src[i]);
             continue;
         }
         uint32_t w;

@@ -170,7 +170,7 @@ async def messages(body: MessagesRequest, raw: Request):
                                      stop=body.stop_sequences)
     parser = tool_parser(ctx)
     sp = ctx.params(sampling, body.max_tokens, None, None, **tool_overrides(spec, parser))
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0), tag_fallback=spec is not None and spec.choice == "auto")
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return StreamingResponse(_events(ctx, stream, spec, parser, mid), media_type="text/event-stream")

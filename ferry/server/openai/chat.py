@@ -135,7 +135,8 @@ async def chat(body: ChatCompletionRequest, raw: Request):
                        "send no response_format or structured_outputs with it", param="tool_choice")
     sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs,
                     **tool_overrides(spec, parser, own_format))
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority))
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority),
+                              tag_fallback=spec is not None and spec.choice == "auto" and not own_format)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name}
     show_reasoning = body.include_reasoning

@@ -50,9 +50,11 @@ async def embeddings(body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
     if body.dimensions is not None:  # the served model is no Matryoshka model: one size only
         raise APIError(400, "dimensions: this model's embeddings have one size only; leave dimensions out",
                        param="dimensions")
-    sp = SamplingParams(pooling=body.pooling)
+    sp = SamplingParams(pooling=body.pooling, max_tokens=1)  # it generates nothing: no room to reserve
     stream = await ctx.submit(ctx.sub_requests(prompts, sp, 1, body.priority))
     outs = await collect(stream, raw)
+    if any(o.embedding is None for o in outs):
+        raise APIError(500, "the engine returned no embedding (this executor does not pool)", "server_error")
     n = sum(len(o.prompt_token_ids) for o in outs)
     return {"object": "list", "model": ctx.model_name,
             "data": [{"object": "embedding", "index": i, "embedding": encode(o.embedding or [], body.encoding_format)}

@@ -168,7 +168,7 @@ async def responses(body: ResponsesRequest, raw: Request):
                                      top_p=body.top_p)
     parser = tool_parser(ctx)
     sp = ctx.params(sampling, body.max_output_tokens, None, None, **tool_overrides(spec, parser))
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0))
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0), tag_fallback=spec is not None and spec.choice == "auto")
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         return StreamingResponse(_events(ctx, body, stream, spec, parser, rid, created, items),
