@@ -118,23 +118,32 @@ static inline __attribute__((always_inline)) void one_range(
     }
 }
 
-/* one_range for a (G, D) the switch below instantiates; returns 0 for another shape. */
+/* one_range for a (G, D) the switch below instantiates; returns 0 for another shape. One function
+ * per cache type, so each stays as compact as the float32 one was. */
+#define ONE_RANGE_ANY(name, KV) \
+static __attribute__((noinline)) int name(const float *q, const void *k, const void *v, const int64_t *table, \
+        int64_t j0, int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D, int64_t G, \
+        int64_t block_size, float scale) { \
+    if (D % V) return 0; \
+    switch (G * 100 + D / V) { \
+        CASE(KV, 1, 4) CASE(KV, 2, 4) CASE(KV, 3, 4) CASE(KV, 4, 4) CASE(KV, 5, 4) CASE(KV, 6, 4) CASE(KV, 7, 4) \
+        CASE(KV, 8, 4) CASE(KV, 1, 8) CASE(KV, 2, 8) CASE(KV, 3, 8) CASE(KV, 4, 8) CASE(KV, 5, 8) CASE(KV, 6, 8) \
+        CASE(KV, 7, 8) CASE(KV, 8, 8) CASE(KV, 1, 16) CASE(KV, 2, 16) CASE(KV, 4, 16) CASE(KV, 8, 16) \
+        default: return 0; \
+    } \
+}
+#define CASE(kv, g, nv) case (g) * 100 + (nv): \
+    one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, kv); return 1;
+ONE_RANGE_ANY(one_range_f32, KV_F32)
+ONE_RANGE_ANY(one_range_bf16, KV_BF16)
+ONE_RANGE_ANY(one_range_f16, KV_F16)
+#undef CASE
+
 static int one_range_any(const float *q, const void *k, const void *v, const int64_t *table, int64_t j0,
                          int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D,
                          int64_t G, int64_t block_size, float scale, int64_t kv) {
-#define CASE(g, nv) case (g) * 100 + (nv): \
-        if (kv == KV_BF16) one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, KV_BF16); \
-        else if (kv == KV_F16) one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, KV_F16); \
-        else one_range(k, v, q, table, j0, j1, o, mx, sum, Hkv, block_size, scale, g, nv, KV_F32); \
-        return 1;
-    if (D % V) return 0;
-    switch (G * 100 + D / V) {
-        CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
-        CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8) CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
-        CASE(1, 16) CASE(2, 16) CASE(4, 16) CASE(8, 16)
-        default: return 0;
-    }
-#undef CASE
+    return (kv == KV_BF16 ? one_range_bf16 : kv == KV_F16 ? one_range_f16 : one_range_f32)(
+        q, k, v, table, j0, j1, o, mx, sum, Hkv, D, G, block_size, scale);
 }
 
 /* one_range for any head shape, plainly (all heads): scores, their exponentials, then V. */
