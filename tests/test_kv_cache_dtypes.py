@@ -1,5 +1,5 @@
 """16-bit KV caches (``kv_cache_dtype``): twice the blocks in the same memory, the float32 cache's
-greedy tokens on the parity prompts, a stated logprob bound, and within each dtype the same tokens
+greedy tokens on the parity prompts (up to near ties), a stated logprob bound, and within each dtype the same tokens
 however requests are batched, chunked, preempted or served from the prefix cache."""
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ import torch
 
 from ferry import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+# Where the reference run's top two tokens are this close (nats), another run may pick the other
+# one: on the parity prompts one such tie, 0.0006 apart in float32, which a float16 cache flips
+# with some orders of sums.
+TIE = 0.005
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 # Measured on the parity prompts (max / mean |d logprob| of prompt tokens against the float32
 # cache): float16 0.0097 / 0.0008, bfloat16 0.095 / 0.006. The bounds leave room for other CPUs.
@@ -20,8 +24,18 @@ BOUNDS = {"float16": (0.03, 0.003), "bfloat16": (0.25, 0.02)}
 @pytest.fixture(scope="module")
 def float32_results(llm, parity_prompts):
     llm.engine.reset_prefix_cache()
-    greedy = [o.outputs[0].token_ids for o in llm.generate(parity_prompts, GREEDY, use_tqdm=False)]
+    greedy = [o.outputs[0] for o in llm.generate(parity_prompts, GREEDY, use_tqdm=False)]
     return greedy, llm.generate(parity_prompts, SCORE, use_tqdm=False)
+
+
+def assert_greedy_up_to_ties(want: list, got: list[list[int]]) -> None:
+    """The same tokens, except that a sequence may part from the float32 one at a near tie (after
+    which the contexts differ and nothing more is compared)."""
+    for ref, ids in zip(want, got):
+        j = next((j for j, (a, b) in enumerate(zip(ref.token_ids, ids)) if a != b), None)
+        if j is not None:
+            top = ref.logprobs[j]
+            assert ids[j] in top and top[ref.token_ids[j]] - top[ids[j]] < TIE, (j, ref.token_ids[j], ids[j], top)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
@@ -30,7 +44,7 @@ def test_a_16_bit_cache_keeps_the_greedy_tokens_within_a_logprob_bound(llm, pari
     half = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
     assert half.engine.num_kv_blocks // 2 == llm.engine.num_kv_blocks  # the cache is sized in bytes
     assert half.engine.executor.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
-    assert [o.outputs[0].token_ids for o in half.generate(parity_prompts, GREEDY, use_tqdm=False)] == greedy
+    assert_greedy_up_to_ties(greedy, [o.outputs[0].token_ids for o in half.generate(parity_prompts, GREEDY, use_tqdm=False)])
     diffs = [abs(a.prompt_logprobs[j][p[j]] - b.prompt_logprobs[j][p[j]])
              for a, b, p in zip(scored, half.generate(parity_prompts, SCORE, use_tqdm=False), parity_prompts)
              for j in range(1, len(p))]
@@ -42,21 +56,28 @@ def test_a_16_bit_cache_keeps_the_greedy_tokens_within_a_logprob_bound(llm, pari
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 def test_a_16_bit_cache_gives_the_same_tokens_however_requests_are_batched(parity_prompts, kv_dtype):
     """Alone, together, in 16-token chunks from the prefix cache, preempted: one answer per dtype
-    (a chunk's own K/V are read rounded too, so chunking cannot change what attention sees)."""
+    up to near ties, where the products' order of sums (which batching changes) can tip a rounded
+    cache's choice (a chunk's own K/V are read rounded too, so chunking cannot change what attention
+    sees)."""
     one = LLM(kv_cache_dtype=kv_dtype)
-    alone = [one.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in parity_prompts]
-    assert [o.outputs[0].token_ids for o in one.generate(parity_prompts, GREEDY, use_tqdm=False)] == alone
+    alone = [one.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in parity_prompts]
+
+    def same(outputs: list) -> None:
+        assert_greedy_up_to_ties(alone, [o.outputs[0].token_ids for o in outputs])
+
+    same(one.generate(parity_prompts, GREEDY, use_tqdm=False))
     small = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, enable_prefix_caching=True)
     for _ in range(2):  # the second time from the prefix cache
-        assert [o.outputs[0].token_ids for o in small.generate(parity_prompts, GREEDY, use_tqdm=False)] == alone
+        same(small.generate(parity_prompts, GREEDY, use_tqdm=False))
     assert small.engine.scheduler.kv.num_hit_tokens > 0
     tight = LLM(kv_cache_dtype=kv_dtype, num_kv_blocks=80, max_num_batched_tokens=256)
-    assert [o.outputs[0].token_ids for o in tight.generate(parity_prompts, GREEDY, use_tqdm=False)] == alone
+    same(tight.generate(parity_prompts, GREEDY, use_tqdm=False))
     assert tight.engine.num_preemptions > 0
     torch_path = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16)
     torch_path.engine.executor.model.use_kernel = False  # the torch reference reads the same cache
     torch_path.engine.executor.model.fused = None
-    assert [o.outputs[0].token_ids for o in torch_path.generate(parity_prompts[:4], GREEDY, use_tqdm=False)] == alone[:4]
+    assert_greedy_up_to_ties(alone[:4], [o.outputs[0].token_ids
+                                         for o in torch_path.generate(parity_prompts[:4], GREEDY, use_tqdm=False)])
 
 
 def test_an_unknown_kv_cache_dtype_is_named():

@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from ferry.config import EngineConfig
@@ -19,7 +18,7 @@ from ferry.executor.pooling import pool
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
-from ferry.model.device import default_dtype, kv_blocks_for_memory, resolve_device
+from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, resolve_device
 from ferry.model.llama import ForwardOutput, LlamaModel
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
@@ -131,13 +130,11 @@ class ModelExecutor:
             self.num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
         slots = self.num_kv_blocks * config.block_size
         # Zeros, not garbage: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
-        # On the CPU numpy's zeros come from calloc, whose fresh pages the OS zeroes lazily: no
-        # 2 GiB memset at start-up, and only the blocks in use ever take memory.
+        # On the CPU the OS zeroes fresh pages lazily: no 2 GiB memset at start-up, and only the
+        # blocks in use ever take memory.
         shape = (cfg.num_layers, 2, slots, plan.num_kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
-            # Lazily zeroed pages of the cache's own size (a float32 array cast down would touch them all).
-            raw = np.zeros(shape, dtype=np.float32 if kv_dtype is torch.float32 else np.int16)
-            cache = torch.from_numpy(raw).view(kv_dtype)
+            cache = lazy_zeros(shape, kv_dtype)
         else:
             cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]

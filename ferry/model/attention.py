@@ -44,6 +44,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     max_decode_len: int = 0  # known on the host: no device sync to size the gathered contexts
     _gathered: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _spans: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The same metadata with every tensor on ``device`` (a copy per step, small)."""
@@ -72,6 +73,21 @@ class AttentionMetadata:
             slots = self.decode_block_tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
             self._gathered[window] = (slots, mask.view(-1, 1, 1, L))
         return self._gathered[window]
+
+
+    def prefill_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C prefill kernel's view of the chunks, made once per step: every chunk's slots of
+        positions [0, ctx_len + q_len), concatenated, and [n, 4] int64 rows (first packed row,
+        q_len, ctx_len, offset of its slots)."""
+        if self._spans is None:
+            parts, rows, offset = [], [], 0
+            for p in self.prefills:
+                own = self.slot_mapping[p.q_start:p.q_start + p.q_len]
+                parts.append(own if p.ctx_len == 0 else p.ctx_slots)
+                rows.append((p.q_start, p.q_len, p.ctx_len, offset))
+                offset += p.ctx_len + p.q_len
+            self._spans = (torch.cat(parts).to(torch.int64).contiguous(), torch.tensor(rows, dtype=torch.int64))
+        return self._spans
 
 
 def window_start(ctx_len: int, window: int | None) -> int:
@@ -116,6 +132,18 @@ def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def prefill_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> bool:
+    """Every prefill chunk's rows of ``out`` by the C kernel, which reads K/V in place through the
+    chunks' slots (theirs already written); False when it does not take this head size."""
+    slots, spans = meta.prefill_slots()
+    Hq, D = q.shape[1], q.shape[2]
+    return bool(load_kernels().paged_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), spans.data_ptr(),
+        spans.shape[0], out.data_ptr(), Hq, k_cache.shape[1], D, ctypes.c_float(scale), window or 0,
+        KV_KINDS[k_cache.dtype]))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, use_kernel: bool = True,
@@ -133,6 +161,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if nd:
         decode = decode_attention_kernel if use_kernel else decode_attention_torch
         out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale, window)
+    kernel_rows = use_kernel and q.stride(2) == 1 and q.stride(1) == q.shape[2] and q.dtype == torch.float32
+    if meta.prefills and kernel_rows and prefill_attention_kernel(q, k_cache, v_cache, meta, scale, window, out):
+        return out.view(q.shape[0], -1)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)

@@ -1,4 +1,4 @@
-"""Small C kernels (paged decode attention, skinny GEMM, quantized GEMM), loaded with ctypes.
+"""Small C kernels (paged decode and prefill attention, skinny GEMM, quantized GEMM), loaded with ctypes.
 
 They are built once with the system C compiler. No torch headers are needed, so
 the build takes a few seconds; the shared library is cached under ~/.cache/ferry/kernels keyed by source, flags and CPU.
@@ -22,9 +22,9 @@ from pathlib import Path
 from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
                                                  "quant_dequant.c", "quant_q8.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "f32_rows.h", "quant_types.h", "kv_types.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h")]
 # FERRY_KERNEL_ARCH picks the target (e.g. "haswell": AVX2+FMA, no AVX-512), to build and measure
 # what most users' CPUs run on a machine that has more.
 ARCH = f"-march={os.environ.get('FERRY_KERNEL_ARCH', 'native')}"
@@ -93,6 +93,8 @@ def load_kernels() -> ctypes.CDLL | None:
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     so.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32, i64, i64]
     so.paged_decode_attention.restype = None
+    so.paged_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, f32, i64, i64]
+    so.paged_prefill_attention.restype = ctypes.c_int
     so.kv_store.argtypes = [ptr, ptr, i64, i64]
     so.kv_store.restype = None
     so.skinny_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64]
