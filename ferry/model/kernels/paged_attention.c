@@ -20,78 +20,103 @@
 #include "kv_types.h"
 #include "vmath.h"
 #define TILE V
+/* Slots per work item: long contexts are split so that one request still uses every thread. */
+#define RANGE 256
 
-/* Slots [j0, j1) of one request, every head, in one pass: per tile of TILE slots, the tile's
- * K rows (then V rows), all KV heads, are read whole (a block's slots are contiguous, which the
- * hardware prefetcher streams), and each KV head's G queries use their part while it is in L1.
- * A running softmax per query head, rescaled once per tile. G and NV (= D / V) are constants at
- * each call site, so one head group's query and output vectors sit in registers for its part
- * of a tile. o, mx, sum: per query head, the unnormalised output, running max and sum (the
- * caller merges the ranges of one request). */
+/* The cache rows of slots [t0, t0 + n), and a prefetch of the next tile's. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const void *k, const void *v, const int64_t *table, int64_t t0, int64_t n, int64_t j1, int64_t block_size,
+        int64_t bytes, const char **rows_k, const char **rows_v) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t off = (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * bytes;
+        rows_k[t] = (const char *)k + off;
+        rows_v[t] = (const char *)v + off;
+    }
+    for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < j1; j++) {
+        const int64_t off = (table[j / block_size] * block_size + j % block_size) * bytes;
+        for (int64_t i = 0; i < bytes; i += 64) {
+            __builtin_prefetch((const char *)k + off + i);
+            __builtin_prefetch((const char *)v + off + i);
+        }
+    }
+}
+
+/* Slots [j0, j1) of one request (at most RANGE), every head, in two passes: the scores of every
+ * slot first (per tile of TILE slots, the tile's K rows of all KV heads read whole: a block's
+ * slots are contiguous, which the hardware prefetcher streams; each key's G dot products summed
+ * TILE keys at a time by lane_sums), then one softmax per query head over the range (its max and
+ * sum vector-wide, no rescaling per tile), then the V rows the same way. G and NV (= D / V) are
+ * constants at each call site, so a head group's query and output vectors sit in registers. o,
+ * mx, sum: per query head, the unnormalised output, max and sum (the caller merges the ranges of
+ * one request). */
 static inline __attribute__((always_inline)) void one_range(
         const void *k, const void *v, const float *q, const int64_t *table, int64_t j0, int64_t j1,
         float *o, float *mx, float *sum, int64_t Hkv, int64_t block_size, float scale, const int G, const int NV,
         const int kv) {
-    const int64_t D = NV * V, row = Hkv * D, es = kv_size(kv);
-    for (int64_t i = 0; i < Hkv * G * D; i++) o[i] = 0.f;
-    for (int64_t hq = 0; hq < Hkv * G; hq++) { mx[hq] = -INFINITY; sum[hq] = 0.f; }
-    for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
-        const int64_t n = j1 - t0 < TILE ? j1 - t0 : TILE;
-        const char *rows_k[TILE], *rows_v[TILE];
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t off = (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * row * es;
-            rows_k[t] = (const char *)k + off;
-            rows_v[t] = (const char *)v + off;
-        }
-        /* The next tile's rows: ask for them now, while this tile computes. */
-        for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < j1; j++) {
-            const int64_t off = (table[j / block_size] * block_size + j % block_size) * row * es;
-            for (int64_t i = 0; i < row * es; i += 64) {
-                __builtin_prefetch((const char *)k + off + i);
-                __builtin_prefetch((const char *)v + off + i);
-            }
-        }
+    const int64_t D = NV * V, row = Hkv * D, es = kv_size(kv), nt = (j1 - j0 + TILE - 1) / TILE;
+    float sc[Hkv * G][RANGE] __attribute__((aligned(64)));  /* scores, then their exponentials */
+    const char *rows_k[TILE], *rows_v[TILE];
+    vi lane;
+    for (int i = 0; i < V; i++) lane[i] = i;
+    for (int64_t it = 0; it < nt; it++) {
+        const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
+        tile_rows(k, v, table, t0, n, j1, block_size, row * es, rows_k, rows_v);
         for (int64_t h = 0; h < Hkv; h++) {
-            const float *qh = q + h * G * D;
-            float *oh = o + h * G * D, *mh = mx + h * G, *sh = sum + h * G;
-            vf qv[G][NV], ov[G][NV];
-            float p[G][TILE] __attribute__((aligned(64)));
+            vf qv[G][NV], part[G][TILE];
             for (int g = 0; g < G; g++)
-                for (int i = 0; i < NV; i++) {
-                    qv[g][i] = loadv(qh + g * D + i * V) * scale;
-                    ov[g][i] = loadv(oh + g * D + i * V);
+                for (int i = 0; i < NV; i++) qv[g][i] = loadv(q + (h * G + g) * D + i * V) * scale;
+            for (int64_t t = 0; t < TILE; t++) {
+                if (t >= n) {
+                    for (int g = 0; g < G; g++) part[g][t] = (vf){0};
+                    continue;
                 }
-            for (int64_t t = 0; t < n; t++) {
                 const char *kt = rows_k[t] + h * D * es;
                 vf kr[NV];
                 for (int i = 0; i < NV; i++) kr[i] = load_kv(kt, i * V, kv);
                 for (int g = 0; g < G; g++) {
                     vf acc = qv[g][0] * kr[0];
                     for (int i = 1; i < NV; i++) acc += qv[g][i] * kr[i];
-                    p[g][t] = hsum(acc);
+                    part[g][t] = acc;
                 }
             }
-            for (int g = 0; g < G; g++) {
-                /* One vector per tile (the tail padded with -inf). */
-                for (int64_t t = n; t < TILE; t++) p[g][t] = -INFINITY;
-                const vf sc = loadv(p[g]);
-                const float m = fmaxf(mh[g], hmax(sc)), corr = expf(mh[g] - m);
-                const vf e = vexp(sc - m);
-                memcpy(p[g], &e, sizeof e);
-                sh[g] = sh[g] * corr + hsum(e);
-                mh[g] = m;
-                for (int i = 0; i < NV; i++) ov[g][i] *= corr;
+            for (int g = 0; g < G; g++) {  /* the tail of the last tile: -inf */
+                const vf s = vselect(lane < (int32_t)n, lane_sums(part[g]), (vf){0} - INFINITY);
+                memcpy(sc[h * G + g] + it * TILE, &s, sizeof s);
             }
+        }
+    }
+    for (int64_t hq = 0; hq < Hkv * G; hq++) {
+        vf m = loadv(sc[hq]), total = (vf){0};
+        for (int64_t it = 1; it < nt; it++) {
+            const vf s = loadv(sc[hq] + it * TILE);
+            m = vselect(s > m, s, m);
+        }
+        const float mm = hmax(m);
+        for (int64_t it = 0; it < nt; it++) {
+            const vf e = vexp(loadv(sc[hq] + it * TILE) - mm);
+            memcpy(sc[hq] + it * TILE, &e, sizeof e);
+            total += e;
+        }
+        mx[hq] = mm;
+        sum[hq] = hsum(total);
+    }
+    for (int64_t h = 0; h < Hkv; h++) {
+        vf ov[G][NV];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < NV; i++) ov[g][i] = (vf){0};
+        for (int64_t it = 0; it < nt; it++) {
+            const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
             for (int64_t t = 0; t < n; t++) {
-                const char *vt = rows_v[t] + h * D * es;
+                const int64_t j = t0 + t;
+                const char *vt = (const char *)v + ((table[j / block_size] * block_size + j % block_size) * row + h * D) * es;
                 for (int i = 0; i < NV; i++) {
                     const vf x = load_kv(vt, i * V, kv);
-                    for (int g = 0; g < G; g++) ov[g][i] += p[g][t] * x;
+                    for (int g = 0; g < G; g++) ov[g][i] += sc[h * G + g][it * TILE + t] * x;
                 }
             }
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < NV; i++) memcpy(oh + g * D + i * V, &ov[g][i], sizeof(vf));
         }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < NV; i++) memcpy(o + (h * G + g) * D + i * V, &ov[g][i], sizeof(vf));
     }
 }
 
@@ -151,8 +176,6 @@ static void one_range_plain(const float *q, const void *k, const void *v, const 
     }
 }
 
-/* Slots per work item: long contexts are split so that one request still uses every thread. */
-#define RANGE 256
 
 void paged_decode_attention(const float *q, const void *k, const void *v,
                             const int64_t *tables, const int64_t *lens, float *out,
