@@ -7,15 +7,25 @@ import torch
 
 from ferry.model.attention import AttentionMetadata, decode_attention_kernel, decode_attention_torch
 from ferry.model.kernels import load_kernels
+from ferry.model.kv_format import quantize_q8_0
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def as_cache(x: torch.Tensor, kv_dtype) -> torch.Tensor:
+    """Random K or V rows in a cache's element format ("q8_0": llama.cpp's blocks)."""
+    return quantize_q8_0(x) if kv_dtype == "q8_0" else x.to(kv_dtype)
+
+
+SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 40), (6, 2, 96)]
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 40)])
+@pytest.mark.parametrize("hq,hkv,d,kv_dtype", [s + (t,) for s in SHAPES for t in (torch.float32, torch.bfloat16, torch.float16)]
+                         + [s + ("q8_0",) for s in SHAPES if s[2] % 32 == 0])  # q8_0: blocks of 32
 def test_kernel_matches_reference(block_size, hq, hkv, d, kv_dtype):
     """Contexts shorter than a tile, across tiles and across the kernel's ranges (split and merged),
     grouped and plain heads, a head size that is no multiple of the vector width, and each KV
-    cache dtype (16-bit caches widened as read: the same values torch reads)."""
+    cache dtype (16-bit caches widened as read, q8_0 blocks dequantized: the same values torch
+    reads)."""
     if load_kernels() is None:
         pytest.fail("the attention kernel could not be built (no C compiler?)")
     g = torch.Generator().manual_seed(block_size)
@@ -31,8 +41,8 @@ def test_kernel_matches_reference(block_size, hq, hkv, d, kv_dtype):
     table = torch.zeros(len(lens), max_blocks, dtype=torch.long)
     for i, t in enumerate(tables):
         table[i, :len(t)] = torch.tensor(t)
-    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=g).to(kv_dtype)
-    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=g).to(kv_dtype)
+    k_cache = as_cache(torch.randn(num_blocks * block_size, hkv, d, generator=g), kv_dtype)
+    v_cache = as_cache(torch.randn(num_blocks * block_size, hkv, d, generator=g), kv_dtype)
     q = torch.randn(len(lens), hq, d, generator=g)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
                              decode_block_tables=table, decode_lens=torch.tensor(lens), block_size=block_size,
@@ -74,3 +84,29 @@ def test_the_fused_decode_writes_the_cache_as_torch_rounds(kv_dtype):
     want = x.to(kv_dtype)
     same = (out.view(torch.int16) == want.view(torch.int16)) | (torch.isnan(out.float()) & torch.isnan(want.float()))
     assert bool(same.all()), x[~same][:5]
+
+
+def test_the_fused_decode_writes_q8_0_blocks_as_the_torch_path_does():
+    """The C store and kv_format.quantize_q8_0 give the same bytes (scales rounded to float16,
+    levels rounded half away from zero, all-zero blocks, huge and tiny values: below float16's
+    range a scale is 0 and the block reads back as zeros, as in llama.cpp), and blocks of normal
+    magnitudes read back within half a level (plus the float16 scale's rounding) of the input."""
+    lib = load_kernels()
+    if lib is None:
+        pytest.fail("the kernels could not be built (no C compiler?)")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32, generator=g) * 10.0 ** torch.randint(-9, 5, (64, 1), generator=g)
+    x[0] = 0.0
+    x[1, :] = torch.arange(32) - 15.5  # exact halves: ties
+    x[2, :5] = torch.tensor([127.0, -63.5, 0.5, -0.5, 1.5])
+    x = x.flatten()
+    out = torch.empty(x.numel() // 32 * 34, dtype=torch.uint8)
+    lib.kv_store(out.data_ptr(), x.data_ptr(), x.numel(), 3)
+    assert torch.equal(out, quantize_q8_0(x))
+    from ferry.model.kv_format import dequantize_q8_0
+
+    back, x = dequantize_q8_0(out).view(-1, 32), x.view(-1, 32)
+    step = x.abs().amax(1, keepdim=True) / 127
+    normal = (step > 2.0 ** -14).flatten()  # scales float16 holds as normal numbers
+    assert normal.sum() > 16
+    assert bool(((back - x).abs() <= step * (0.5 + 127 * 2.0 ** -11))[normal].all())

@@ -1,6 +1,7 @@
-"""16-bit KV caches (``kv_cache_dtype``): twice the blocks in the same memory, the float32 cache's
-greedy tokens on the parity prompts (up to near ties), a stated logprob bound, and within each dtype the same tokens
-however requests are batched, chunked, preempted or served from the prefix cache."""
+"""16-bit and q8_0 KV caches (``kv_cache_dtype``): 2x / 3.8x the blocks in the same memory, the float32
+cache's greedy tokens on the parity prompts (16-bit, up to near ties), a stated logprob bound, and
+within each dtype the same tokens however requests are batched, chunked, preempted or served from
+the prefix cache, and across tensor-parallel ranks."""
 from __future__ import annotations
 
 import statistics
@@ -17,8 +18,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 TIE = 0.005
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 # Measured on the parity prompts (max / mean |d logprob| of prompt tokens against the float32
-# cache): float16 0.0097 / 0.0008, bfloat16 0.095 / 0.006. The bounds leave room for other CPUs.
-BOUNDS = {"float16": (0.03, 0.003), "bfloat16": (0.25, 0.02)}
+# cache): float16 0.0097 / 0.0008, bfloat16 0.095 / 0.006, q8_0 0.30 / 0.024. The bounds leave
+# room for other CPUs.
+BOUNDS = {"float16": (0.03, 0.003), "bfloat16": (0.25, 0.02), "q8_0": (0.75, 0.06)}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,30 @@ def test_a_16_bit_cache_keeps_the_greedy_tokens_within_a_logprob_bound(llm, pari
     assert max(diffs) > 0  # really rounded
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
-def test_a_16_bit_cache_gives_the_same_tokens_however_requests_are_batched(parity_prompts, kv_dtype):
+def test_a_q8_0_cache_holds_3_8_times_the_tokens_within_a_logprob_bound(llm, parity_prompts, float32_results):
+    """llama.cpp's q8_0 blocks (34 bytes per 32 values): not exact enough to promise the float32
+    cache's greedy tokens, so a stated bound on the prompt tokens' logprobs instead."""
+    _, scored = float32_results
+    q8 = LLM(kv_cache_dtype="q8_0", kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
+    assert abs(q8.engine.num_kv_blocks / llm.engine.num_kv_blocks - 128 / 34) < 0.005  # sized in bytes
+    assert q8.engine.executor.kv_caches[0][0].dtype == torch.uint8
+    diffs = [abs(a.prompt_logprobs[j][p[j]] - b.prompt_logprobs[j][p[j]])
+             for a, b, p in zip(scored, q8.generate(parity_prompts, SCORE, use_tqdm=False), parity_prompts)
+             for j in range(1, len(p))]
+    top, mean = BOUNDS["q8_0"]
+    assert max(diffs) < top and statistics.mean(diffs) < mean
+    assert statistics.mean(diffs) > BOUNDS["bfloat16"][1] / 4  # really quantized (coarser than bf16)
+
+
+def test_a_head_size_q8_0_cannot_block_is_named():
+    from ferry.model.kv_format import row_width
+
+    with pytest.raises(ValueError, match="q8_0.*multiple of 32.*40"):
+        row_width(40, torch.uint8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8_0"])
+def test_a_rounded_cache_gives_the_same_tokens_however_requests_are_batched(parity_prompts, kv_dtype):
     """Alone, together, in 16-token chunks from the prefix cache, preempted: one answer per dtype
     up to near ties, where the products' order of sums (which batching changes) can tip a rounded
     cache's choice (a chunk's own K/V are read rounded too, so chunking cannot change what attention
@@ -85,11 +109,12 @@ def test_an_unknown_kv_cache_dtype_is_named():
         LLM(kv_cache_dtype="q4")
 
 
-def test_tensor_parallel_ranks_hold_their_shards_in_16_bits(parity_prompts):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "q8_0"])
+def test_tensor_parallel_ranks_hold_their_shards_in_a_smaller_dtype(parity_prompts, kv_dtype):
     prompts = parity_prompts[1:4]
-    one = LLM(kv_cache_dtype="bfloat16")
+    one = LLM(kv_cache_dtype=kv_dtype)
     want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    two = LLM(kv_cache_dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=64)
+    two = LLM(kv_cache_dtype=kv_dtype, tensor_parallel_size=2, num_kv_blocks=64)
     try:
         assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
     finally:

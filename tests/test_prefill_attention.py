@@ -8,6 +8,7 @@ import torch
 
 from ferry.model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_attention_kernel
 from ferry.model.kernels import load_kernels
+from ferry.model.kv_format import quantize_q8_0
 
 # (context, chunk) per prefill of the step: no context; context ending mid-block and mid-tile; a
 # one-token chunk; a long chunk after a long context.
@@ -25,8 +26,11 @@ def _step(hq: int, hkv: int, d: int, block_size: int, kv_dtype: torch.dtype, dec
     slots = [torch.tensor(t)[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
              for t, n in zip(tables, lens)]
     n_slots = (sum(need) + 7) * block_size
-    k_cache = torch.randn(n_slots, hkv, d, generator=g).to(kv_dtype)
-    v_cache = torch.randn(n_slots, hkv, d, generator=g).to(kv_dtype)
+    def as_cache(x: torch.Tensor) -> torch.Tensor:
+        return quantize_q8_0(x) if kv_dtype == "q8_0" else x.to(kv_dtype)
+
+    k_cache = as_cache(torch.randn(n_slots, hkv, d, generator=g))
+    v_cache = as_cache(torch.randn(n_slots, hkv, d, generator=g))
     new_slots, spans, row = [], [], decodes
     dec = slots[len(CHUNKS):]
     new_slots += [s[-1:] for s in dec]
@@ -50,7 +54,7 @@ def _step(hq: int, hkv: int, d: int, block_size: int, kv_dtype: torch.dtype, dec
     return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], k_cache, v_cache, meta
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, "q8_0"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 @pytest.mark.parametrize("window", [None, 7, 200])

@@ -19,6 +19,7 @@ from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, resolve_device
+from ferry.model.kv_format import cache_dtype, row_width
 from ferry.model.llama import ForwardOutput, LlamaModel
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
@@ -109,11 +110,12 @@ class ModelExecutor:
         self.tokenizer = setup.tokenizer
         self.eos_token_ids = setup.eos_token_ids
         self.block_size = config.block_size
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
+        width = row_width(cfg.head_dim, kv_dtype)  # a head's values in the cache's last dimension
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         # Every rank has the same number of blocks (one scheduler, one block table), sized for the
         # rank holding the most KV heads.
-        bytes_per_block = 2 * cfg.num_layers * config.block_size * plan.max_kv_heads * cfg.head_dim * elem
+        bytes_per_block = 2 * cfg.num_layers * config.block_size * plan.max_kv_heads * width * elem
         if config.num_kv_blocks:
             self.num_kv_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -132,7 +134,7 @@ class ModelExecutor:
         # Zeros, not garbage: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
         # On the CPU the OS zeroes fresh pages lazily: no 2 GiB memset at start-up, and only the
         # blocks in use ever take memory.
-        shape = (cfg.num_layers, 2, slots, plan.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, slots, plan.num_kv_heads, width)
         if self.device.type == "cpu":
             cache = lazy_zeros(shape, kv_dtype)
         else:

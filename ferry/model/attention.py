@@ -16,9 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.model.kernels import load_kernels
-
-# The cache element types the C kernels read (kernels/kv_types.h), by torch dtype.
-KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+from ferry.model.kv_format import KV_KINDS, from_cache, to_cache
 
 
 @dataclass
@@ -110,8 +108,8 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """Reference decode path: gather each context (its window) into a padded batch, then SDPA."""
     slots, mask = meta.decode_slots_and_mask(window)
-    kd = k_cache[slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-    vd = v_cache[slots].transpose(1, 2).to(q.dtype)
+    kd = from_cache(k_cache[slots], q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    vd = from_cache(v_cache[slots], q.dtype).transpose(1, 2)
     return F.scaled_dot_product_attention(
         q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
 
@@ -151,9 +149,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, Hq * D].
     ``window``: the layer's sliding window (None: full causal attention). A cache of another
     dtype than q (``--kv-cache-dtype``) holds K/V rounded to it, and every query reads them so,
-    its own chunk's too: results do not depend on how a prompt is chunked."""
-    if k_cache.dtype != k.dtype:
-        k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
+    its own chunk's too: results do not depend on how a prompt is chunked (``kv_format``)."""
+    k, v = to_cache(k, k_cache), to_cache(v, v_cache)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -172,7 +169,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kp, vp = k[rows], v[rows]
         else:
             kp, vp = k_cache[p.ctx_slots[start:]], v_cache[p.ctx_slots[start:]]
-        kp, vp = kp.to(q.dtype), vp.to(q.dtype)  # no copy when the cache is q's dtype
+        kp, vp = from_cache(kp, q.dtype), from_cache(vp, q.dtype)  # no copy when the cache is q's dtype
         o = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=mask is None and p.ctx_len == 0, scale=scale, enable_gqa=True)

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferry.model.attention import KV_KINDS, AttentionMetadata
+from ferry.model.attention import AttentionMetadata
+from ferry.model.kv_format import KV_KINDS
 from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import QuantWeight

@@ -112,8 +112,8 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
             }
             rope(row, Hq + Hkv, D, lc + positions[b] * D, ls + positions[b] * D);
             memcpy(q + b * Hq * D, row, sizeof(float) * Hq * D);
-            store_kv((char *)L->k_cache + slots[b] * kv * kv_size(d->kv), row + Hq * D, kv, d->kv);
-            store_kv((char *)L->v_cache + slots[b] * kv * kv_size(d->kv), row + Hq * D + kv, kv, d->kv);
+            store_kv((char *)L->k_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D, kv, d->kv);
+            store_kv((char *)L->v_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D + kv, kv, d->kv);
         }
         LAP(T_ROPE);
         paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, attn, B, Hq, Hkv, D,

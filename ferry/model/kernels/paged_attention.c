@@ -53,14 +53,14 @@ static inline __attribute__((always_inline)) void one_range(
         const void *k, const void *v, const float *q, const int64_t *table, int64_t j0, int64_t j1,
         float *o, float *mx, float *sum, int64_t Hkv, int64_t block_size, float scale, const int G, const int NV,
         const int kv) {
-    const int64_t D = NV * V, row = Hkv * D, es = kv_size(kv), nt = (j1 - j0 + TILE - 1) / TILE;
+    const int64_t D = NV * V, row = Hkv * D, nt = (j1 - j0 + TILE - 1) / TILE;
     float sc[Hkv * G][RANGE] __attribute__((aligned(64)));  /* scores, then their exponentials */
     const char *rows_k[TILE], *rows_v[TILE];
     vi lane;
     for (int i = 0; i < V; i++) lane[i] = i;
     for (int64_t it = 0; it < nt; it++) {
         const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
-        tile_rows(k, v, table, t0, n, j1, block_size, row * es, rows_k, rows_v);
+        tile_rows(k, v, table, t0, n, j1, block_size, kv_bytes(row, kv), rows_k, rows_v);
         for (int64_t h = 0; h < Hkv; h++) {
             vf qv[G][NV], part[G][TILE];
             for (int g = 0; g < G; g++)
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void one_range(
                     for (int g = 0; g < G; g++) part[g][t] = (vf){0};
                     continue;
                 }
-                const char *kt = rows_k[t] + h * D * es;
+                const char *kt = rows_k[t] + kv_bytes(h * D, kv);
                 vf kr[NV];
                 for (int i = 0; i < NV; i++) kr[i] = load_kv(kt, i * V, kv);
                 for (int g = 0; g < G; g++) {
@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void one_range(
             const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
             for (int64_t t = 0; t < n; t++) {
                 const int64_t j = t0 + t;
-                const char *vt = (const char *)v + ((table[j / block_size] * block_size + j % block_size) * row + h * D) * es;
+                const char *vt = (const char *)v + kv_bytes((table[j / block_size] * block_size + j % block_size) * row + h * D, kv);
                 for (int i = 0; i < NV; i++) {
                     const vf x = load_kv(vt, i * V, kv);
                     for (int g = 0; g < G; g++) ov[g][i] += sc[h * G + g][it * TILE + t] * x;
@@ -139,12 +139,13 @@ static __attribute__((noinline)) int name(const float *q, const void *k, const v
 ONE_RANGE_ANY(one_range_f32, KV_F32)
 ONE_RANGE_ANY(one_range_bf16, KV_BF16)
 ONE_RANGE_ANY(one_range_f16, KV_F16)
+ONE_RANGE_ANY(one_range_q8_0, KV_Q8_0)
 #undef CASE
 
 static int one_range_any(const float *q, const void *k, const void *v, const int64_t *table, int64_t j0,
                          int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D,
                          int64_t G, int64_t block_size, float scale, int64_t kv) {
-    return (kv == KV_BF16 ? one_range_bf16 : kv == KV_F16 ? one_range_f16 : one_range_f32)(
+    return (kv == KV_BF16 ? one_range_bf16 : kv == KV_F16 ? one_range_f16 : kv == KV_Q8_0 ? one_range_q8_0 : one_range_f32)(
         q, k, v, table, j0, j1, o, mx, sum, Hkv, D, G, block_size, scale);
 }
 

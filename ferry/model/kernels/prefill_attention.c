@@ -38,7 +38,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void one_item(
         const attn_t *a, const int64_t *slots, int64_t first, int64_t q_len, int64_t ctx, int64_t h,
         int64_t r0, float *out, float *qt, float *ot, float *kb, float *vb, const int kv) {
-    const int64_t D = a->D, G = a->Hq / a->Hkv, rows = q_len * G, row = a->Hkv * D, es = kv_size(kv);
+    const int64_t D = a->D, G = a->Hq / a->Hkv, rows = q_len * G, row = a->Hkv * D;
     vi pos;  /* each row's position; -1 for rows past the span's end, which see no key */
     for (int i = 0; i < V; i++) {
         const int64_t r = r0 + i, t = r / G, hq = h * G + r % G;
@@ -59,7 +59,7 @@ static inline __attribute__((always_inline)) void one_item(
                 for (int64_t d = 0; d < D; d++) kr[d] = vr[d] = 0.f;
                 continue;
             }
-            const int64_t off = (slots[j0 + t] * row + h * D) * es;
+            const int64_t off = kv_bytes(slots[j0 + t] * row + h * D, kv);
             for (int64_t d = 0; d < D; d += V) {
                 const vf x = load_kv((const char *)a->k + off, d, kv), y = load_kv((const char *)a->v + off, d, kv);
                 memcpy(kr + d, &x, sizeof x);
@@ -111,6 +111,7 @@ static inline __attribute__((always_inline)) void one_item(
 ITEM_KV(item_f32, KV_F32)
 ITEM_KV(item_bf16, KV_BF16)
 ITEM_KV(item_f16, KV_F16)
+ITEM_KV(item_q8_0, KV_Q8_0)
 
 /* Returns 1 when it served the call, 0 for a head size it does not take (D not a multiple of V). */
 int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, const int64_t *slots,
@@ -135,7 +136,7 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, con
             while (it < first[s]) s--;
             const int64_t *sp = spans + 4 * s, per_head = (first[s + 1] - first[s]) / Hkv;
             const int64_t h = (it - first[s]) / per_head, r0 = (it - first[s]) % per_head * V;
-            (kv == KV_BF16 ? item_bf16 : kv == KV_F16 ? item_f16 : item_f32)(
+            (kv == KV_BF16 ? item_bf16 : kv == KV_F16 ? item_f16 : kv == KV_Q8_0 ? item_q8_0 : item_f32)(
                 &a, slots + sp[3], sp[0], sp[1], sp[2], h, r0, out, qt, ot, kb, vb);
         }
         free(buf);
