@@ -8,7 +8,7 @@ import torch
 
 from ferry.model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_attention_kernel
 from ferry.model.kernels import load_kernels
-from ferry.model.kv_format import quantize_q8_0
+from tests.test_attention import as_cache
 
 # (context, chunk) per prefill of the step: no context; context ending mid-block and mid-tile; a
 # one-token chunk; a long chunk after a long context.
@@ -26,11 +26,8 @@ def _step(hq: int, hkv: int, d: int, block_size: int, kv_dtype: torch.dtype, dec
     slots = [torch.tensor(t)[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
              for t, n in zip(tables, lens)]
     n_slots = (sum(need) + 7) * block_size
-    def as_cache(x: torch.Tensor) -> torch.Tensor:
-        return quantize_q8_0(x) if kv_dtype == "q8_0" else x.to(kv_dtype)
-
-    k_cache = as_cache(torch.randn(n_slots, hkv, d, generator=g))
-    v_cache = as_cache(torch.randn(n_slots, hkv, d, generator=g))
+    k_cache = as_cache(torch.randn(n_slots, hkv, d, generator=g), kv_dtype)
+    v_cache = as_cache(torch.randn(n_slots, hkv, d, generator=g), kv_dtype)
     new_slots, spans, row = [], [], decodes
     dec = slots[len(CHUNKS):]
     new_slots += [s[-1:] for s in dec]
@@ -38,7 +35,6 @@ def _step(hq: int, hkv: int, d: int, block_size: int, kv_dtype: torch.dtype, dec
         span = PrefillSpan(row, n, ctx)
         if ctx:
             span.ctx_slots = s
-            span.mask = torch.arange(ctx + n)[None, :] <= torch.arange(ctx, ctx + n)[:, None]
         spans.append(span)
         new_slots.append(s[ctx:])
         row += n

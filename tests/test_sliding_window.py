@@ -53,10 +53,9 @@ def test_windowed_attention_never_reads_outside_the_window(window, block_size, c
                                  decode_block_tables=table.repeat(q_len, 1), decode_lens=torch.arange(ctx, n) + 1,
                                  block_size=block_size, prefills=[], max_decode_len=n)
     else:
-        pos = torch.arange(n)
         span = PrefillSpan(0, q_len, ctx)
         if ctx:
-            span.ctx_slots, span.mask = slots, pos[None, :] <= torch.arange(ctx, n)[:, None]
+            span.ctx_slots = slots
         meta = AttentionMetadata(slot_mapping=slots[new], num_decodes=0, decode_block_tables=None,
                                  decode_lens=None, block_size=block_size, prefills=[span])
     use_kernel = kernel and load_kernels() is not None

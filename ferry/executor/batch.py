@@ -100,7 +100,6 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
             ctx_slots = _slots(block_ids, all_pos, block_size)
             slot_parts.append(ctx_slots[c.start:])
             span.ctx_slots = torch.from_numpy(ctx_slots)
-            span.mask = torch.from_numpy(all_pos[None, :] <= pos[:, None])
         else:
             slot_parts.append(_slots(block_ids, pos, block_size))
         pos_parts.append(pos)

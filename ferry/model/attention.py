@@ -27,7 +27,6 @@ class PrefillSpan:
     q_len: int
     ctx_len: int
     ctx_slots: torch.Tensor | None = None  # slots of positions [0, ctx_len + q_len) when ctx_len > 0
-    mask: torch.Tensor | None = None  # [q_len, ctx_len + q_len], True where a query may look
 
 
 @dataclass
@@ -53,7 +52,7 @@ class AttentionMetadata:
             slot_mapping=mv(self.slot_mapping), num_decodes=self.num_decodes,
             decode_block_tables=mv(self.decode_block_tables), decode_lens=mv(self.decode_lens),
             block_size=self.block_size, max_decode_len=self.max_decode_len,
-            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), mv(p.mask)) for p in self.prefills])
+            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots)) for p in self.prefills])
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] slots of every decode's context (padded; the last ``window`` positions only, with a
@@ -71,7 +70,6 @@ class AttentionMetadata:
             slots = self.decode_block_tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
             self._gathered[window] = (slots, mask.view(-1, 1, 1, L))
         return self._gathered[window]
-
 
     def prefill_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The C prefill kernel's view of the chunks, made once per step: every chunk's slots of
@@ -95,13 +93,15 @@ def window_start(ctx_len: int, window: int | None) -> int:
 
 def _prefill_keys_and_mask(p: PrefillSpan, window: int | None, device: torch.device
                            ) -> tuple[int, torch.Tensor | None]:
-    """(first context position gathered, mask over the gathered keys) of a prefill chunk's queries."""
+    """(first context position gathered, mask over the gathered keys) of a prefill chunk's queries;
+    no mask for a first chunk without a window (SDPA's own causal mask serves it)."""
+    if window is None and p.ctx_len == 0:
+        return 0, None
     start = window_start(p.ctx_len, window)
-    if window is None:
-        return 0, p.mask
     q_pos = torch.arange(p.ctx_len, p.ctx_len + p.q_len, device=device)[:, None]
     k_pos = torch.arange(start, p.ctx_len + p.q_len, device=device)[None, :]
-    return start, (k_pos <= q_pos) & (k_pos > q_pos - window)
+    causal = k_pos <= q_pos
+    return start, causal if window is None else causal & (k_pos > q_pos - window)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

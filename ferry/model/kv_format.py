@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ferry.model.loader import DTYPES
+
 # The kernels' ids of the formats (kv_types.h), by the cache tensor's dtype (q8_0 is the uint8 one).
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
 Q8_BLOCK, Q8_BYTES = 32, 34
@@ -20,8 +22,7 @@ _INV127 = float(np.float32(1) / np.float32(127))
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensor's dtype for a ``kv_cache_dtype`` setting."""
-    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16, "q8_0": torch.uint8}[name]
+    return {"auto": model_dtype, "q8_0": torch.uint8, **DTYPES}[name]
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:

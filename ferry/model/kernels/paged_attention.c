@@ -23,15 +23,13 @@
 /* Slots per work item: long contexts are split so that one request still uses every thread. */
 #define RANGE 256
 
-/* The cache rows of slots [t0, t0 + n), and a prefetch of the next tile's. */
+/* The K rows of slots [t0, t0 + n), and a prefetch of the next tile's K and V rows (V for the
+ * second pass, which reads them while still in cache). */
 static inline __attribute__((always_inline)) void tile_rows(
         const void *k, const void *v, const int64_t *table, int64_t t0, int64_t n, int64_t j1, int64_t block_size,
-        int64_t bytes, const char **rows_k, const char **rows_v) {
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t off = (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * bytes;
-        rows_k[t] = (const char *)k + off;
-        rows_v[t] = (const char *)v + off;
-    }
+        int64_t bytes, const char **rows_k) {
+    for (int64_t t = 0; t < n; t++)
+        rows_k[t] = (const char *)k + (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * bytes;
     for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < j1; j++) {
         const int64_t off = (table[j / block_size] * block_size + j % block_size) * bytes;
         for (int64_t i = 0; i < bytes; i += 64) {
@@ -55,12 +53,12 @@ static inline __attribute__((always_inline)) void one_range(
         const int kv) {
     const int64_t D = NV * V, row = Hkv * D, nt = (j1 - j0 + TILE - 1) / TILE;
     float sc[Hkv * G][RANGE] __attribute__((aligned(64)));  /* scores, then their exponentials */
-    const char *rows_k[TILE], *rows_v[TILE];
+    const char *rows_k[TILE];
     vi lane;
     for (int i = 0; i < V; i++) lane[i] = i;
     for (int64_t it = 0; it < nt; it++) {
         const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
-        tile_rows(k, v, table, t0, n, j1, block_size, kv_bytes(row, kv), rows_k, rows_v);
+        tile_rows(k, v, table, t0, n, j1, block_size, kv_bytes(row, kv), rows_k);
         for (int64_t h = 0; h < Hkv; h++) {
             vf qv[G][NV], part[G][TILE];
             for (int g = 0; g < G; g++)
