@@ -23,6 +23,18 @@
 /* Slots per work item: long contexts are split so that one request still uses every thread. */
 #define RANGE 256
 
+/* How a request's L slots split into work items: ranges of at most RANGE slots, and at least two
+ * past 64 slots so that one request alone keeps two cores busy. The split depends on L only, so a
+ * request's attention has the same bits however it is batched. */
+static inline int64_t n_ranges(int64_t L) {
+    const int64_t n = (L + RANGE - 1) / RANGE;
+    return n > 1 || L <= 64 ? n : 2;
+}
+static inline int64_t range_span(int64_t L) {
+    const int64_t n = n_ranges(L), s = (L + n - 1) / n;
+    return (s + TILE - 1) / TILE * TILE;
+}
+
 /* The K rows of slots [t0, t0 + n), and a prefetch of the next tile's K and V rows (V for the
  * second pass, which reads them while still in cache). */
 static inline __attribute__((always_inline)) void tile_rows(
@@ -186,7 +198,7 @@ void paged_decode_attention(const float *q, const void *k, const void *v,
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
 #define LO(b) (window > 0 && lens[b] > window ? lens[b] - window : 0)
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (lens[b] - LO(b) + RANGE - 1) / RANGE;
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + n_ranges(lens[b] - LO(b));
     const int64_t items = first[B];
     int64_t *owner = malloc(sizeof(int64_t) * items);
     for (int64_t b = 0; b < B; b++)
@@ -198,8 +210,8 @@ void paged_decode_attention(const float *q, const void *k, const void *v,
         float *scores = NULL;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t b = owner[it], j0 = LO(b) + (it - first[b]) * RANGE;
-            const int64_t j1 = j0 + RANGE < lens[b] ? j0 + RANGE : lens[b];
+            const int64_t b = owner[it], span = range_span(lens[b] - LO(b)), j0 = LO(b) + (it - first[b]) * span;
+            const int64_t j1 = j0 + span < lens[b] ? j0 + span : lens[b];
             const float *qb = q + b * Hq * D;
             if (!one_range_any(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
                                ps + it * Hq, Hkv, D, G, block_size, scale, kv)) {

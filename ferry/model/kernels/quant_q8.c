@@ -168,8 +168,8 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
     }
 }
 
-/* The types whose weights carry an offset b (w = a * q + b). */
-static int has_offset(int64_t type) {
+/* The types whose weights carry an offset b (w = a * q + b); their levels are never negative. */
+static inline int has_offset(int64_t type) {
     return type == QT_Q4_1 || type == QT_Q5_1 || type == QT_Q2_K || type == QT_Q4_K || type == QT_Q5_K;
 }
 
@@ -193,14 +193,10 @@ static inline int fast_k(int64_t type) {
 
 /* 16 nibbles -> 32 levels: the low nibbles first, then the high ones (IQ4: through the table). */
 __attribute__((target("avx2"), always_inline)) static inline __m256i nibbles(const uint8_t *qs, int iq4) {
-    const __m128i m4 = _mm_set1_epi8(15), raw = _mm_loadu_si128((const __m128i *)qs);
-    __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-    if (iq4) {
-        const __m128i t = _mm_loadu_si128((const __m128i *)KVALUES_IQ4);
-        lo = _mm_shuffle_epi8(t, lo);
-        hi = _mm_shuffle_epi8(t, hi);
-    }
-    return _mm256_setr_m128i(lo, hi);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i v = _mm256_and_si256(_mm256_setr_m128i(raw, _mm_srli_epi16(raw, 4)), _mm256_set1_epi8(15));
+    if (!iq4) return v;
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4)), v);
 }
 
 /* Byte i = 16 where bit i of the 32 bits at p is set, else 0: Q5's fifth bits. */
@@ -217,9 +213,16 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i fifth_bits(
 /* A 32-block's 32 levels, its scale a and offset b. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256i levels32(const uint8_t *bl, const int64_t type,
                                                                                       float *a, float *b) {
-    *a = f16(bl);
-    const int offset = type == QT_Q4_1 || type == QT_Q5_1;
-    *b = offset ? f16(bl + 2) : 0.f;
+    if (type == QT_Q4_1 || type == QT_Q5_1) {  /* d and m side by side: one conversion for both */
+        uint32_t dm;
+        memcpy(&dm, bl, 4);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        *a = _mm_cvtss_f32(f);
+        *b = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    } else {
+        *a = f16(bl);
+        *b = 0.f;
+    }
     switch (type) {
         case QT_Q8_0: return _mm256_loadu_si256((const __m256i *)(bl + 2));
         case QT_Q4_0: return _mm256_sub_epi8(nibbles(bl + 2, 0), _mm256_set1_epi8(8));
@@ -465,6 +468,11 @@ static float dot_portable(const int8_t *q, const float *a, const acts_t *x, int 
 #define P32_MADDUBS(vw, vx) \
     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw)), _mm256_set1_epi16(1))
 /* dpbusd: 4 unsigned-by-signed byte products added into each int32, no saturation. */
+/* Levels that are never negative (the offset types) go to maddubs / dpbusd as they are: the
+ * same integer sums without the two sign instructions. */
+#define P32U_MADDUBS(vw, vx) _mm256_madd_epi16(_mm256_maddubs_epi16(vw, vx), _mm256_set1_epi16(1))
+#define P32U_AVXVNNI(vw, vx) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), vw, vx)
+#define P32U_AVX512VNNI(vw, vx) _mm256_dpbusd_epi32(_mm256_setzero_si256(), vw, vx)
 #define P32_AVXVNNI(vw, vx) \
     _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw))
 #define P32_AVX512VNNI(vw, vx) \
@@ -480,13 +488,13 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
  * and used at once, with no unpacked copy; the same sums in the same order. */
 
 /* Chunk i's lane products into accv and its offsets into o[0], o[1] (the order of finish_row). */
-#define FUSED_CHUNK(P32, vw, a0, a1, b0, b1, i, accv, o)                                              \
+#define FUSED_CHUNK(P32, P32U, vw, a0, a1, b0, b1, i, accv, o)                                              \
     do {                                                                                           \
         const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + 32 * (i)));                   \
         const float d = dx[i];                                                                     \
         const __m256 t = per16 ? _mm256_setr_m128(_mm_set1_ps((a0) * d), _mm_set1_ps((a1) * d))   \
                                : _mm256_set1_ps((a0) * d);                                         \
-        accv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P32(vw, vx)), t, accv);             \
+        accv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset ? P32U(vw, vx) : P32(vw, vx)), t, accv);    \
         if (offset) {                                                                              \
             (o)[0] = fmaf(b0, xs[2 * (i)], (o)[0]);                                                  \
             (o)[1] = fmaf(b1, xs[2 * (i) + 1], (o)[1]);                                              \
@@ -494,7 +502,7 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
     } while (0)
 
 /* fused_<sfx>(row, type, x, y): 1 when it served the type (y set), else 0. */
-#define FUSED_VARIANT(sfx, isa, P32)                                                                          \
+#define FUSED_VARIANT(sfx, isa, P32, P32U)                                                                          \
     __attribute__((target(isa), always_inline)) static inline float fused32_##sfx(                            \
             const uint8_t *row, const int64_t type, const int8_t *qx, const float *dx, const float *xs, int64_t nc) { \
         const int64_t bytes = qt_bytes(type);                                                                 \
@@ -505,12 +513,12 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
         for (; i + 1 < nc; i += 2) {                                                                          \
             const __m256i v0 = levels32(row + i * bytes, type, &a, &b);                                       \
             const __m256i v1 = levels32(row + (i + 1) * bytes, type, &a2, &b2);                               \
-            FUSED_CHUNK(P32, v0, a, a, b, b, i, acc0, o);                                                     \
-            FUSED_CHUNK(P32, v1, a2, a2, b2, b2, i + 1, acc1, o + 2);                                         \
+            FUSED_CHUNK(P32, P32U, v0, a, a, b, b, i, acc0, o);                                                     \
+            FUSED_CHUNK(P32, P32U, v1, a2, a2, b2, b2, i + 1, acc1, o + 2);                                         \
         }                                                                                                     \
         if (i < nc) {                                                                                         \
             const __m256i v0 = levels32(row + i * bytes, type, &a, &b);                                       \
-            FUSED_CHUNK(P32, v0, a, a, b, b, i, acc0, o);                                                     \
+            FUSED_CHUNK(P32, P32U, v0, a, a, b, b, i, acc0, o);                                                     \
         }                                                                                                     \
         return finish_row(acc0, acc1, o, offset);                                                         \
     }                                                                                                         \
@@ -524,8 +532,8 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
             block_scales_k(row, type, a, b);                                                            \
             for (int c = 0; c < 8; c += 2) {                                                                  \
                 const __m256i v0 = levels_k(row, type, c), v1 = levels_k(row, type, c + 1);                   \
-                FUSED_CHUNK(P32, v0, a[2 * c], a[2 * c + 1], b[2 * c], b[2 * c + 1], i + c, acc0, o);         \
-                FUSED_CHUNK(P32, v1, a[2 * c + 2], a[2 * c + 3], b[2 * c + 2], b[2 * c + 3], i + c + 1, acc1, o + 2); \
+                FUSED_CHUNK(P32, P32U, v0, a[2 * c], a[2 * c + 1], b[2 * c], b[2 * c + 1], i + c, acc0, o);         \
+                FUSED_CHUNK(P32, P32U, v1, a[2 * c + 2], a[2 * c + 3], b[2 * c + 2], b[2 * c + 3], i + c + 1, acc1, o + 2); \
             }                                                                                                 \
         }                                                                                                     \
         return finish_row(acc0, acc1, o, offset);                                                         \
@@ -549,10 +557,10 @@ static const dot_fn DOTS[ISA_COUNT] = {dot_portable, dot_avx2, dot_avx512bw, dot
             default: return 0;                                                                                \
         }                                                                                                     \
     }
-FUSED_VARIANT(avx2, "avx2,fma,f16c", P32_MADDUBS)
-FUSED_VARIANT(avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32_MADDUBS)
-FUSED_VARIANT(avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI)
-FUSED_VARIANT(avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI)
+FUSED_VARIANT(avx2, "avx2,fma,f16c", P32_MADDUBS, P32U_MADDUBS)
+FUSED_VARIANT(avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32_MADDUBS, P32U_MADDUBS)
+FUSED_VARIANT(avxvnni, "avx2,fma,f16c,avxvnni", P32_AVXVNNI, P32U_AVXVNNI)
+FUSED_VARIANT(avx512vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", P32_AVX512VNNI, P32U_AVX512VNNI)
 typedef int (*fused_fn)(const uint8_t *row, int64_t type, const acts_t *x, float *y);
 static const fused_fn FUSED[ISA_COUNT] = {NULL, fused_avx2, fused_avx512bw, fused_avxvnni, fused_avx512vnni};
 
