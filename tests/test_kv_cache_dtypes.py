@@ -30,14 +30,20 @@ def float32_results(llm, parity_prompts):
     return greedy, llm.generate(parity_prompts, SCORE, use_tqdm=False)
 
 
-def assert_greedy_up_to_ties(want: list, got: list[list[int]]) -> None:
+# A q8_0 level is 1/127 of its block's largest value, so a product's last bit (which batching
+# moves) can round one cached value a level the other way: seen to move a near tie by 0.011-0.014
+# on an AVX2 CPU. Its tie is 1.5x the mean |d logprob| the q8_0 cache itself costs (0.0187).
+TIES = {"float16": TIE, "bfloat16": TIE, "q8_0": 0.03}
+
+
+def assert_greedy_up_to_ties(want: list, got: list[list[int]], tie: float = TIE) -> None:
     """The same tokens, except that a sequence may part from the float32 one at a near tie (after
     which the contexts differ and nothing more is compared)."""
     for ref, ids in zip(want, got):
         j = next((j for j, (a, b) in enumerate(zip(ref.token_ids, ids)) if a != b), None)
         if j is not None:
             top = ref.logprobs[j]
-            assert ids[j] in top and top[ref.token_ids[j]] - top[ids[j]] < TIE, (j, ref.token_ids[j], ids[j], top)
+            assert ids[j] in top and top[ref.token_ids[j]] - top[ids[j]] < tie, (j, ref.token_ids[j], ids[j], top)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
@@ -87,7 +93,7 @@ def test_a_rounded_cache_gives_the_same_tokens_however_requests_are_batched(pari
     alone = [one.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in parity_prompts]
 
     def same(outputs: list) -> None:
-        assert_greedy_up_to_ties(alone, [o.outputs[0].token_ids for o in outputs])
+        assert_greedy_up_to_ties(alone, [o.outputs[0].token_ids for o in outputs], TIES[kv_dtype])
 
     same(one.generate(parity_prompts, GREEDY, use_tqdm=False))
     small = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, enable_prefix_caching=True)
@@ -101,7 +107,8 @@ def test_a_rounded_cache_gives_the_same_tokens_however_requests_are_batched(pari
     torch_path.engine.executor.model.use_kernel = False  # the torch reference reads the same cache
     torch_path.engine.executor.model.fused = None
     assert_greedy_up_to_ties(alone[:4], [o.outputs[0].token_ids
-                                         for o in torch_path.generate(parity_prompts[:4], GREEDY, use_tqdm=False)])
+                                         for o in torch_path.generate(parity_prompts[:4], GREEDY, use_tqdm=False)],
+                             TIES[kv_dtype])
 
 
 def test_an_unknown_kv_cache_dtype_is_named():

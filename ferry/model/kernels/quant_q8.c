@@ -467,12 +467,12 @@ static float dot_portable(const int8_t *q, const float *a, const acts_t *x, int 
  * per int16 pair, no saturation). */
 #define P32_MADDUBS(vw, vx) \
     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw)), _mm256_set1_epi16(1))
-/* dpbusd: 4 unsigned-by-signed byte products added into each int32, no saturation. */
 /* Levels that are never negative (the offset types) go to maddubs / dpbusd as they are: the
  * same integer sums without the two sign instructions. */
 #define P32U_MADDUBS(vw, vx) _mm256_madd_epi16(_mm256_maddubs_epi16(vw, vx), _mm256_set1_epi16(1))
 #define P32U_AVXVNNI(vw, vx) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), vw, vx)
 #define P32U_AVX512VNNI(vw, vx) _mm256_dpbusd_epi32(_mm256_setzero_si256(), vw, vx)
+/* dpbusd: 4 unsigned-by-signed byte products added into each int32, no saturation. */
 #define P32_AVXVNNI(vw, vx) \
     _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw))
 #define P32_AVX512VNNI(vw, vx) \
