@@ -317,7 +317,7 @@ def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n, k):
     """q8: the product of the int8-rounded activations with the dequantized weight (up to the order
     of sums), so within |w| @ (scale / 2) of exact: each activation moves by at most half its step.
-    Past KERNEL_ROWS rows (a prefill chunk) BLAS multiplies the same rounded activations."""
+    Past KERNEL_ROWS rows (a prefill chunk) the same integer products, the same bits per row."""
     w = repack(random_gguf_rows(qtype, n, k, seed=m * n + k), qtype, (n, k), )
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     wf = dequantize(w)
@@ -331,7 +331,7 @@ def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n
     many[:m] = x  # the same rows give the same products, whichever path serves them
     y_many = quant_linear(many, w)
     torch.testing.assert_close(y_many, q8_activations(many)[0] @ wf.t(), rtol=1e-4, atol=2e-5 * scale)
-    torch.testing.assert_close(y_many[:m], y, rtol=1e-4, atol=2e-5 * scale)
+    assert torch.equal(y_many[:m], y)
     bound = 0.5 * step @ wf.abs().t() + 2e-5 * scale
     assert bool(((y - exact).abs() <= bound).all())
 
@@ -342,10 +342,18 @@ def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
 
     # An odd count of 32-blocks (the 512-bit variants' last block alone) and a row of 8-lane tails.
     n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
-    w = repack(random_gguf_rows(qtype, n, k, seed=5), qtype, (n, k))
+    raw = random_gguf_rows(qtype, n, k, seed=5).reshape(n, k // QUANT_TYPES[qtype].block, -1)
+    lo, hi = F16_FIELDS[qtype]
+    for row, fill in enumerate((0x00, 0xFF, 0x80, 0x77)):  # every level at an extreme: no int16 may saturate
+        scales = raw[row, :, lo:hi].copy()
+        raw[row] = fill
+        raw[row, :, lo:hi] = scales
+    w = repack(raw.reshape(n, -1), qtype, (n, k))
     w.activations = "q8"
-    # One row (the fused single-row kernels) and several (unpacked rows).
-    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(2)) for m in (1, 9)]
+    # One row, a decode batch's rows (R = 4 rows a pass and a tail) and a prefill chunk's; rows of
+    # +127 and -127 levels against the extreme weights.
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(2)) for m in (1, 9, 40)]
+    xs[1][0], xs[1][1] = 1.0, -1.0
     best = q8_isa()
     ran = []
     try:
@@ -362,6 +370,22 @@ def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
     finally:
         q8_isa(best)
     assert "avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX")
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+def test_a_q8_row_gets_the_same_bits_in_any_batch(qtype):
+    """q8 products make each output lane by lane in one order (kernels/quant_q8_tiles.c), so a row's
+    result is the same bits alone (a decode of one request), among a decode batch's rows or in a
+    prefill chunk, wherever it sits in the tile of weight rows and the pass of activation rows."""
+    n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
+    w = repack(random_gguf_rows(qtype, n, k, seed=7), qtype, (n, k))
+    w.activations = "q8"
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
+    whole = quant_linear(x, w)
+    for lo, hi in ((0, 1), (0, 2), (0, 5), (3, 12), (57, 58), (20, 53)):
+        assert torch.equal(quant_linear(x[lo:hi], w), whole[lo:hi]), (lo, hi)
+    rows = torch.tensor([5, 30, 1, 17])
+    assert torch.equal(quant_linear(w=w.__class__(w.data[rows].contiguous(), w.qtype, (4, k), "q8"), x=x), whole[:, rows])
 
 
 def test_a_q8_engine_stays_close_to_the_exact_one(llm, parity_prompts):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ferry.model.kernels import load_kernels
+from ferry.model.kernels import Q8_ISA_MACROS, load_kernels
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ QUANT_TYPES = {t.name: t for t in (
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ACTIVATION_MODES = ("exact", "q8")
 Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
-# quant_q8_isa's variant ids (kernels/quant_q8.c).
-Q8_ISAS = ("portable", "avx2", "avx512bw", "avxvnni", "avx512vnni")
+# quant_q8_isa's variant ids (kernels/quant_q8.h), in order.
+Q8_ISAS = tuple(name for name, _ in Q8_ISA_MACROS)
 
 # Up to this many rows the kernel's product wins; above it, dequantize-then-BLAS (measured with
 # `ferry bench kernels`: BLAS's packing pays off once the weight is reused by many rows).
@@ -82,10 +82,8 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, int]
     # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
-    # per block of 32 to int8 (quant_q8.c), at every number of rows: integer dot products for one
-    # row (a decode step of one request), and the same rounded activations times the dequantized
-    # weights in float for more (the kernel's product, BLAS past KERNEL_ROWS), which is faster
-    # measured there and equal up to the order of sums.
+    # per block of 32 to int8 and integer dot products at every number of rows (quant_q8_tiles.c),
+    # each row's result the same bits whatever the batch.
     activations: str = "exact"
 
     @property
@@ -123,18 +121,15 @@ def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] float32 @ dequant(w).T -> [M, N]."""
+    """x [M, K] float32 @ dequant(w).T -> [M, N]: q8 weights through the integer kernels at any M
+    (faster than dequantize-then-BLAS there too, measured), exact ones as the module says."""
     x = x.contiguous()
     m, (n, k) = x.shape[0], w.shape
     lib = _kernels()
-    if m <= KERNEL_ROWS:
+    if m <= KERNEL_ROWS or w.activations == "q8":
         y = torch.empty(m, n, dtype=torch.float32)
         lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
         return y
-    if w.activations == "q8":  # the same rounded activations, multiplied by BLAS
-        xq = torch.empty_like(x)
-        lib.quant_q8_round(x.data_ptr(), xq.data_ptr(), m, k)
-        x = xq
     step = max(1, SLICE_FLOATS // k)
     buf = torch.empty(min(n, step), k, dtype=torch.float32)
     if n <= step:

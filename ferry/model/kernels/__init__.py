@@ -23,8 +23,8 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
-                                                 "quant_dequant.c", "quant_q8.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h")]
+                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h", "quant_q8.h", "q8_levels.h")]
 # FERRY_KERNEL_ARCH picks the target (e.g. "haswell": AVX2+FMA, no AVX-512), to build and measure
 # what most users' CPUs run on a machine that has more.
 ARCH = f"-march={os.environ.get('FERRY_KERNEL_ARCH', 'native')}"
@@ -36,6 +36,7 @@ COMPILE_FLAGS = ["-O3", ARCH, "-ffast-math", "-fPIC", "-fopenmp"]
 EXACT_FLAGS = {"quant_dequant.c": ["-O3", ARCH, "-fno-fast-math", "-ffp-contract=off", "-fPIC"],
                "quant_q8.c": ["-O3", "-march=x86-64-v2", "-mtune=native", "-fno-fast-math", "-ffp-contract=off",
                               "-fPIC", "-fopenmp"]}
+EXACT_FLAGS["quant_q8_tiles.c"] = EXACT_FLAGS["quant_q8.c"]
 
 
 def _torch_libgomp() -> Path | None:
@@ -103,15 +104,31 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_gemm.restype = None
     so.quant_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64]
     so.quant_dequant.restype = None
-    so.quant_q8_round.argtypes = [ptr, ptr, i64, i64]
-    so.quant_q8_round.restype = None
     so.quant_q8_isa.argtypes = [i64]
     so.quant_q8_isa.restype = i64
     so.quant_type_row.argtypes = [i64, ctypes.c_char_p, ptr]
     so.quant_type_row.restype = i64
     so.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64] + [ptr] * 4 + [i64] + [ptr] * 3 + [i64, ptr]
     so.decode_layers.restype = None
+    if "FERRY_KERNEL_ARCH" in os.environ:
+        so.quant_q8_isa(_arch_q8_isa(cc))
     return so
+
+
+# The q8 kernels' variants (kernels/quant_q8.h's ISA ids, in order) and the macro each needs.
+Q8_ISA_MACROS = (("portable", ""), ("avx2", "__AVX2__"), ("avx512bw", "__AVX512BW__"), ("avxvnni", "__AVXVNNI__"),
+                 ("avx512vnni", "__AVX512VNNI__"))
+
+
+def _arch_q8_isa(cc: str) -> int:
+    """The best q8 variant FERRY_KERNEL_ARCH's target has: the q8 kernels pick theirs from the CPU
+    at run time, so without this an AVX2-only build would still run AVX-512 q8 products here."""
+    macros = subprocess.run([cc, ARCH, "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
+    # avxvnni (256-bit VNNI) ranks below avx512vnni and above avx512bw, as quant_q8_isa's own order.
+    for name in ("avx512vnni", "avxvnni", "avx512bw", "avx2"):
+        if dict(Q8_ISA_MACROS)[name] in macros:
+            return [n for n, _ in Q8_ISA_MACROS].index(name)
+    return 0
 
 
 def kernels_usable(dtype) -> bool:

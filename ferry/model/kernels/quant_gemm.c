@@ -16,25 +16,14 @@
 #include "quant_types.h"
 #include "vec.h"
 
-void quant_gemv_q8(const float *x, const uint8_t *w, float *y, int64_t N, int64_t K, int64_t type);
-void quant_q8_round(const float *x, float *out, int64_t M, int64_t K);
+void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
 
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; K a multiple of the type's block (the caller checks).
- * type | FERRY_QT_Q8: activations quantized to int8 (quant_q8.c): integer dot products for one
- * row; from two rows on, the rounded activations through the float product below, which equals
- * them up to the order of sums and was faster measured (a Q4_1 1536x576 product at 2 rows: 66 us
- * against 118 us integer, the weight's unpacking no longer amortized by a single row). */
+ * type | FERRY_QT_Q8: activations quantized to int8 and integer dot products at every M
+ * (quant_q8_tiles.c), each row's result independent of the others. */
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
     if (type & FERRY_QT_Q8) {
-        type &= ~(int64_t)FERRY_QT_Q8;
-        if (M == 1) {
-            quant_gemv_q8(x, w, y, N, K, type);
-            return;
-        }
-        float *xq = malloc(sizeof(float) * (size_t)(M * K));
-        quant_q8_round(x, xq, M, K);
-        quant_gemm(xq, w, y, M, N, K, type);
-        free(xq);
+        quant_q8_gemm(x, w, y, M, N, K, type & ~(int64_t)FERRY_QT_Q8);
         return;
     }
     const int64_t row_bytes = K / qt_block(type) * qt_bytes(type);

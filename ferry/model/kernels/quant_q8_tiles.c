@@ -1,0 +1,486 @@
+/* q8 products at every number of rows: y[M, N] = x[M, K] @ w[N, K]^T with x quantized per block of
+ * 32 to int8 (q8_quantize_row) and integer dot products, a vector lane per weight row.
+ *
+ * TR weight rows (a tile: 8, or 16 with AVX-512) are unpacked to int8 levels (q8_unpack_row) and
+ * turned so that dword d of the tile holds levels 4d..4d+3 of each of its rows side by side. One
+ * broadcast of four activation bytes then multiplies all TR rows at once (dpbusd, or maddubs +
+ * madd), and everything after it (scales, offsets, sums) is lane by lane. So an output is made by
+ * the same operations in the same order whatever M, N, the tile or the instruction set: over the
+ * scale groups g of its row (16 weights for Q2_K, Q3_K and Q6_K, else 32), in order,
+ *     acc = fmaf((float)isum_g, a_g * dx_g, acc)    isum_g: the group's levels times x's (exact)
+ *     o   = fmaf(b_g, xsum_g, o)                    offset types; xsum_g = dx_g * (float)sum of x's
+ * and y = acc + o (offset types) or acc. One activation row (a decode step of one request) skips
+ * the tile: direct8 multiplies 8 weight rows' levels straight from registers and sums each row's
+ * lanes into lane r, then takes the same lane-wise steps. A row's outputs therefore never depend
+ * on the batch it runs in, and every variant returns the portable code's bits. Built like quant_q8.c: plain
+ * x86-64-v2, each variant's instructions enabled by target attributes, no fused or fast float math
+ * outside the spelled-out fmaf.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "q8_levels.h"
+#include "quant_q8.h"
+#include "quant_types.h"
+
+/* M activation rows, quantized once per product. */
+typedef struct {
+    int8_t *q;   /* [M][K] levels */
+    uint8_t *u;  /* [M][K] levels + 128: dpbusd's unsigned operand */
+    float *dx;   /* [M][K / 32] block scales */
+    float *xsum; /* [M][K / gs] scale times the group's levels' sum */
+    int64_t K, nb, ng;
+} xrows_t;
+
+static inline int group_size(int64_t type) { return type == QT_Q2_K || type == QT_Q3_K || type == QT_Q6_K ? 16 : 32; }
+
+/* Four activation bytes of row m at k, as a dword (the broadcast's source). */
+static inline int32_t dword_at(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, xrows_t *r) {
+    r->K = K, r->nb = K / 32, r->ng = K / gs;
+    r->q = malloc((size_t)(M * K));
+    r->u = malloc((size_t)(M * K));
+    r->dx = malloc(sizeof(float) * (size_t)(M * r->nb));
+    r->xsum = malloc(sizeof(float) * (size_t)(M * r->ng));
+    #pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = r->q + m * K;
+        q8_quantize_row(x + m * K, K, q, r->dx + m * r->nb, portable);
+        for (int64_t k = 0; k < K; k++) r->u[m * K + k] = (uint8_t)(q[k] ^ 0x80);
+        for (int64_t g = 0; g < r->ng; g++) {
+            int32_t s = 0;
+            for (int i = 0; i < gs; i++) s += q[g * gs + i];
+            r->xsum[m * r->ng + g] = r->dx[m * r->nb + g * gs / 32] * (float)s;
+        }
+    }
+}
+
+static void free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); }
+
+/* The order above, one weight row and one activation row at a time. */
+static void rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y,
+                          int64_t M, int64_t N, int gs) {
+    const int64_t K = x->K, G16 = K / 16;
+    const int offset = q8_has_offset(type);
+    #pragma omp parallel
+    {
+        int8_t *q = malloc((size_t)K);
+        float *a = malloc(sizeof(float) * (size_t)G16), *b = malloc(sizeof(float) * (size_t)G16);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            q8_unpack_row(w + n * row_bytes, type, K, q, a, b, 1);
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *xq = x->q + m * K;
+                float acc = 0.f, o = 0.f;
+                for (int64_t g = 0; g < x->ng; g++) {
+                    int32_t s = 0;
+                    for (int i = 0; i < gs; i++) s += (int32_t)q[g * gs + i] * xq[g * gs + i];
+                    const float t = a[g * gs / 16] * x->dx[m * x->nb + g * gs / 32];
+                    acc = fmaf((float)s, t, acc);
+                    if (offset) o = fmaf(b[g * gs / 16], x->xsum[m * x->ng + g], o);
+                }
+                y[m * N + n] = offset ? acc + o : acc;
+            }
+        }
+        free(q); free(a); free(b);
+    }
+}
+
+/* TR weight rows turned for the lanes: t[d * TR + r] = levels 4d..4d+3 of row r; a, b and w128
+ * (128 times the levels' sum, for dpbusd's unsigned activations) per scale group g at g * TR + r. */
+typedef struct {
+    int32_t *t, *w128;
+    float *a, *b;
+} tile_t;
+
+/* 8 x 8 dwords: out[j] lane i = in[i] lane j. */
+__attribute__((target("avx2"), always_inline)) static inline void transpose8(__m256i *v) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+        v[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+    }
+}
+
+/* Rows [0, nr) of w as a tile of TR (the rest zero): each row's levels built in registers
+ * (q8_levels.h; Q2_K and Q3_K through unpack_block) and stored in lev, reading the weights in
+ * order, then turned 8 x 8 dwords at a time from L1. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void build_tile_of(
+        const uint8_t *w, int64_t row_bytes, const int64_t type, int64_t K, int nr, int TR, int gs, int8_t *lev,
+        float *ra, float *rb, tile_t *t) {
+    const int64_t G16 = K / 16, nc = K / 32, bytes = qt_bytes(type);
+    const int per_chunk = 32 / gs, step = gs / 16;
+    for (int r = 0; r < TR; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        float *a = ra + r * G16, *b = rb + r * G16;
+        if (r >= nr) {
+            memset(lev + r * K, 0, (size_t)K);
+            memset(a, 0, sizeof(float) * (size_t)G16);
+            memset(b, 0, sizeof(float) * (size_t)G16);
+        } else if (fast32(type)) {
+            for (int64_t c = 0; c < nc; c++) {
+                _mm256_storeu_si256((__m256i *)(lev + r * K + 32 * c), levels32(row + c * bytes, type, &a[2 * c], &b[2 * c]));
+            }
+        } else if (fast_k(type)) {
+            for (int64_t sb = 0; sb < nc / 8; sb++) {
+                block_scales_k(row + sb * bytes, type, a + 16 * sb, b + 16 * sb);
+                for (int c = 0; c < 8; c++)
+                    _mm256_storeu_si256((__m256i *)(lev + r * K + 256 * sb + 32 * c), levels_k(row + sb * bytes, type, c));
+            }
+        } else {
+            q8_unpack_row(row, type, K, lev + r * K, a, b, 0);
+        }
+        for (int64_t g = 0; g < nc * per_chunk; g++) {
+            t->a[g * TR + r] = a[g * step];
+            t->b[g * TR + r] = b[g * step];
+        }
+    }
+    for (int r0 = 0; r0 < TR; r0 += 8)
+        for (int64_t c = 0; c < nc; c++) {
+            __m256i v[8];
+            for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(lev + (r0 + i) * K + 32 * c));
+            transpose8(v);
+            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(t->t + (c * 8 + j) * TR + r0), v[j]);
+        }
+}
+
+/* build_tile_of with the type a constant, so the level builders' switches fold away; then, for
+ * dpbusd on unsigned activations, 128 times each group's levels' sum. */
+__attribute__((target("avx2,fma,f16c"))) static void build_tile(const uint8_t *w, int64_t row_bytes, int64_t type,
+                                                              int64_t K, int nr, int TR, int gs, int sums, int8_t *lev,
+                                                              float *ra, float *rb, tile_t *t) {
+    const int64_t ng = K / gs;
+    switch (type) {
+#define BUILD_CASE(name, id, block, bytes) \
+        case id: build_tile_of(w, row_bytes, id, K, nr, TR, gs, lev, ra, rb, t); break;
+        FERRY_QUANT_TYPES(BUILD_CASE)
+#undef BUILD_CASE
+        default: return;
+    }
+    if (!sums) return;
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ng; g++)
+        for (int r0 = 0; r0 < TR; r0 += 8) {
+            __m256i s = _mm256_setzero_si256();
+            for (int j = 0; j < gs / 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(t->t + (g * gs / 4 + j) * TR + r0));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
+            }
+            _mm256_storeu_si256((__m256i *)(t->w128 + g * TR + r0), _mm256_slli_epi32(s, 7));
+        }
+}
+
+#define R 4 /* activation rows per pass over a tile's groups: their accumulators stay in registers */
+
+/* The largest |level| of a type: how many maddubs results an int16 lane can add before madd. */
+static int max_level(int64_t type) {
+    switch (type) {
+        case QT_Q8_0: case QT_IQ4_NL: case QT_IQ4_XS: return 128;
+        case QT_Q5_1: case QT_Q5_K: case QT_Q6_K: return 32;
+        default: return 16; /* Q4_0, Q4_1, Q4_K, Q5_0 (-16..15), Q2_K, Q3_K */
+    }
+}
+
+/* Every (rows, group size, offset) a tile pass is compiled for: each count a constant, so the
+ * loops unroll and the rows' accumulators stay in registers. */
+#define TILE_CASES(BODY)                                                                         \
+    switch (mr + 8 * offset + 16 * (gs == 16)) {                                                 \
+        case 1: BODY(1, 32, 0); break; case 2: BODY(2, 32, 0); break;                            \
+        case 3: BODY(3, 32, 0); break; case 4: BODY(4, 32, 0); break;                            \
+        case 9: BODY(1, 32, 1); break; case 10: BODY(2, 32, 1); break;                           \
+        case 11: BODY(3, 32, 1); break; case 12: BODY(4, 32, 1); break;                          \
+        case 17: BODY(1, 16, 0); break; case 18: BODY(2, 16, 0); break;                          \
+        case 19: BODY(3, 16, 0); break; case 20: BODY(4, 16, 0); break;                          \
+        case 25: BODY(1, 16, 1); break; case 26: BODY(2, 16, 1); break;                          \
+        case 27: BODY(3, 16, 1); break; default: BODY(4, 16, 1); break;                          \
+    }
+
+/* One tile's outputs for rows [m0, m0 + MR) with 8 lanes: offset types' levels are never negative,
+ * so they are dpbusd's / maddubs's unsigned operand against the activations as they are; other
+ * types take dpbusd on the activations plus 128 (less 128 times the levels' sum), or maddubs on
+ * |w| and the activations with w's sign (at most 2 * 128 * 127 per int16 pair, no saturation).
+ * maddubs's int16 pairs add up `flush` dwords at a time, as many as an int16 holds, before madd
+ * widens them. Integer sums are exact, so they may run in two chains per row. */
+#define TILE8(name, isa, VNNI, DPBUSD)                                                                          \
+    __attribute__((target(isa), always_inline)) static inline void name##_of(                                   \
+            const tile_t *t, const xrows_t *x, float *y, int64_t m0, const int MR, int64_t N, int nr,            \
+            const int GS, const int OFF, int flush) {                                                           \
+        const int64_t K = x->K;                                                                                \
+        const int DPG = GS / 4;                                                                                \
+        const __m256i ones16 = _mm256_set1_epi16(1);                                                           \
+        __m256 acc[R], o[R];                                                                                   \
+        for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm256_setzero_ps();                                     \
+        for (int64_t g = 0; g < x->ng; g++) {                                                                  \
+            const int32_t *tg = t->t + g * DPG * 8;                                                            \
+            __m256i s[R][2], s16[R];                                                                           \
+            for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = s16[r] = _mm256_setzero_si256();                  \
+            _Pragma("GCC unroll 8") for (int j = 0; j < DPG; j++) {                                            \
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(tg + j * 8));                          \
+                const __m256i wa = _mm256_abs_epi8(wv);                                                        \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    const int64_t at = (m0 + r) * K + g * GS + 4 * j;                                          \
+                    if (VNNI && OFF) {                                                                         \
+                        s[r][j & 1] = DPBUSD(s[r][j & 1], wv, _mm256_set1_epi32(dword_at(x->q + at)));         \
+                    } else if (VNNI) {                                                                         \
+                        s[r][j & 1] = DPBUSD(s[r][j & 1], _mm256_set1_epi32(dword_at(x->u + at)), wv);         \
+                    } else {                                                                                   \
+                        const __m256i xb = _mm256_set1_epi32(dword_at(x->q + at));                             \
+                        s16[r] = _mm256_add_epi16(s16[r], OFF ? _mm256_maddubs_epi16(wv, xb)                   \
+                                                              : _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, wv))); \
+                        if ((j + 1) % flush == 0) {                                                            \
+                            s[r][j & 1] = _mm256_add_epi32(s[r][j & 1], _mm256_madd_epi16(s16[r], ones16));    \
+                            s16[r] = _mm256_setzero_si256();                                                   \
+                        }                                                                                      \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+            const __m256 A = _mm256_loadu_ps(t->a + g * 8), B = _mm256_loadu_ps(t->b + g * 8);               \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const int64_t m = m0 + r;                                                                      \
+                __m256i si = _mm256_add_epi32(s[r][0], s[r][1]);                                               \
+                if (VNNI && !OFF) si = _mm256_sub_epi32(si, _mm256_loadu_si256((const __m256i *)(t->w128 + g * 8))); \
+                const __m256 sc = _mm256_mul_ps(A, _mm256_set1_ps(x->dx[m * x->nb + g * GS / 32]));           \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[r]);                                  \
+                if (OFF) o[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[m * x->ng + g]), o[r]);             \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++) {                                                                         \
+            float out[8];                                                                                      \
+            _mm256_storeu_ps(out, OFF ? _mm256_add_ps(acc[r], o[r]) : acc[r]);                                 \
+            memcpy(y + (m0 + r) * N, out, sizeof(float) * (size_t)nr);                                         \
+        }                                                                                                      \
+    }                                                                                                          \
+    __attribute__((target(isa))) static void name(const tile_t *t, const xrows_t *x, float *y, int64_t m0,      \
+                                                  int mr, int64_t N, int nr, int gs, int offset, int flush) {   \
+        (void)flush;                                                                                           \
+        TILE_CASES(name##_CALL)                                                                                \
+    }
+#define DPBUSD_AVXVNNI(s, a, b) _mm256_dpbusd_avx_epi32(s, a, b)
+#define NO_DPBUSD(s, a, b) ((void)(a), (void)(b), (s))
+#define tile8_avx2_CALL(MR, GS, OFF) tile8_avx2_of(t, x, y, m0, MR, N, nr, GS, OFF, flush)
+#define tile8_avx512bw_CALL(MR, GS, OFF) tile8_avx512bw_of(t, x, y, m0, MR, N, nr, GS, OFF, flush)
+#define tile8_avxvnni_CALL(MR, GS, OFF) tile8_avxvnni_of(t, x, y, m0, MR, N, nr, GS, OFF, flush)
+TILE8(tile8_avx2, "avx2,fma,f16c", 0, NO_DPBUSD)
+TILE8(tile8_avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", 0, NO_DPBUSD)
+TILE8(tile8_avxvnni, "avx2,fma,f16c,avxvnni", 1, DPBUSD_AVXVNNI)
+
+/* The same with 16 lanes and AVX-512 VNNI's dpbusd. */
+#define ISA_512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+__attribute__((target(ISA_512), always_inline)) static inline void tile16_of(
+        const tile_t *t, const xrows_t *x, float *y, int64_t m0, const int MR, int64_t N, int nr, const int GS,
+        const int OFF) {
+    const int64_t K = x->K;
+    const int DPG = GS / 4;
+    __m512 acc[R], o[R];
+    for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < x->ng; g++) {
+        const int32_t *tg = t->t + g * DPG * 16;
+        __m512i s[R][2];
+        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int j = 0; j < DPG; j++) {
+            const __m512i wv = _mm512_loadu_si512(tg + j * 16);
+            for (int r = 0; r < MR; r++) {
+                const int64_t at = (m0 + r) * K + g * GS + 4 * j;
+                if (OFF) s[r][j & 1] = _mm512_dpbusd_epi32(s[r][j & 1], wv, _mm512_set1_epi32(dword_at(x->q + at)));
+                else s[r][j & 1] = _mm512_dpbusd_epi32(s[r][j & 1], _mm512_set1_epi32(dword_at(x->u + at)), wv);
+            }
+        }
+        const __m512 A = _mm512_loadu_ps(t->a + g * 16), B = _mm512_loadu_ps(t->b + g * 16);
+        for (int r = 0; r < MR; r++) {
+            const int64_t m = m0 + r;
+            __m512i si = _mm512_add_epi32(s[r][0], s[r][1]);
+            if (!OFF) si = _mm512_sub_epi32(si, _mm512_loadu_si512(t->w128 + g * 16));
+            const __m512 sc = _mm512_mul_ps(A, _mm512_set1_ps(x->dx[m * x->nb + g * GS / 32]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), sc, acc[r]);
+            if (OFF) o[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(x->xsum[m * x->ng + g]), o[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        _mm512_mask_storeu_ps(y + (m0 + r) * N, (__mmask16)((1u << nr) - 1), OFF ? _mm512_add_ps(acc[r], o[r]) : acc[r]);
+}
+#define tile16_CALL(MR, GS, OFF) tile16_of(t, x, y, m0, MR, N, nr, GS, OFF)
+__attribute__((target(ISA_512))) static void tile16_avx512vnni(const tile_t *t, const xrows_t *x, float *y, int64_t m0,
+                                                             int mr, int64_t N, int nr, int gs, int offset, int flush) {
+    (void)flush;
+    TILE_CASES(tile16_CALL)
+}
+
+/* One activation row (a decode step of one request) needs no tile: 8 weight rows' levels are built
+ * in registers from the file's blocks (q8_levels.h) and multiplied at once, and a tree of hadds
+ * turns their 8 x 8 partial sums into one vector of the rows' group sums, lane r for row r; from
+ * there the same lane-wise steps as a tile's, so the same bits. */
+/* 8 vectors of eight int32 -> lane r = sum of v[r]'s lanes 0-3 (*lo: the first 16 weights) or 4-7 (*hi). */
+__attribute__((target("avx2"), always_inline)) static inline void sum8(const __m256i *p, __m256i *lo, __m256i *hi) {
+    const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i g0 = _mm256_hadd_epi32(h01, h23), g1 = _mm256_hadd_epi32(h45, h67);
+    *lo = _mm256_permute2x128_si256(g0, g1, 0x20);
+    *hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+}
+
+
+/* The 32-block types' float16 d (and Q4_1 / Q5_1's m) of 8 rows' blocks at bl + i * row_bytes,
+ * converted together (rows past nr: 0). */
+__attribute__((target("avx2,f16c"), always_inline)) static inline void scales8(const uint8_t *bl, int64_t row_bytes, int nr,
+                                                                             __m256 *a, __m256 *b) {
+    /* built in registers: eight scalar stores then one vector load would stall store forwarding */
+    int32_t d[8];
+    for (int i = 0; i < 8; i++) d[i] = i < nr ? dword_at(bl + i * row_bytes) : 0;
+    const __m256i v = _mm256_setr_epi32(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+    /* per 128-bit lane: the four low halves, then the four high ones */
+    const __m256i s = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i q = _mm256_permute4x64_epi64(s, 0xD8); /* d0-3 d4-7 m0-3 m4-7 */
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(q));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(q, 1));
+}
+
+/* The eight int32 sums of 4 products of 32 levels v by 32 activations x: signed levels through
+ * their magnitudes and x with their signs, offset types' (never negative) as they are. */
+#define P32S_MADDUBS(v, x) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v)), _mm256_set1_epi16(1))
+#define P32U_MADDUBS(v, x) _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), _mm256_set1_epi16(1))
+#define P32S_AVXVNNI(v, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(v), _mm256_sign_epi8(x, v))
+#define P32U_AVXVNNI(v, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), v, x)
+#define P32S_AVX512VNNI(v, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(v), _mm256_sign_epi8(x, v))
+#define P32U_AVX512VNNI(v, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, x)
+
+#define DIRECT8(name, isa, P32S, P32U)                                                                          \
+    __attribute__((target(isa), always_inline)) static inline void name##_of(                                   \
+            const uint8_t *w, int64_t row_bytes, const int64_t type, const xrows_t *x, float *y, int nr) {       \
+        const int64_t nc = x->K / 32, bytes = qt_bytes(type);                                                   \
+        const int GS = group_size(type), OFF = q8_has_offset(type);                                             \
+        __m256 acc = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                              \
+        float at[16][8] = {{0}}, bt[16][8] = {{0}}, a8[8], b8[8];                                   \
+        for (int64_t c = 0; c < nc; c++) {                                                                      \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));                            \
+            __m256i p[8];                                                                                       \
+            for (int i = 0; i < 8; i++) {                                                                       \
+                if (i >= nr) { p[i] = _mm256_setzero_si256(); continue; }                                      \
+                __m256i v;                                                                                      \
+                if (fast32(type)) {                                                                             \
+                    v = levels32(w + i * row_bytes + c * bytes, type, &a8[i], &b8[i]);                          \
+                } else {                                                                                        \
+                    const uint8_t *bl = w + i * row_bytes + (c / 8) * bytes;                                    \
+                    if (c % 8 == 0) {                                                                           \
+                        float ta[16], tb[16];                                                                   \
+                        block_scales_k(bl, type, ta, tb);                                                       \
+                        for (int h = 0; h < 16; h++) at[h][i] = ta[h], bt[h][i] = tb[h];                        \
+                    }                                                                                           \
+                    v = levels_k(bl, type, (int)(c % 8));                                                       \
+                }                                                                                               \
+                p[i] = OFF ? P32U(v, xv) : P32S(v, xv);                                                         \
+            }                                                                                                   \
+            __m256i lo, hi;                                                                                     \
+            sum8(p, &lo, &hi);                                                                                  \
+            const __m256 d = _mm256_set1_ps(x->dx[c]);                                                          \
+            if (fast32(type)) {                                                                                 \
+                __m256 A, B;                                                                                    \
+                scales8(w + c * bytes, row_bytes, nr, &A, &B);                                                  \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc);   \
+                if (OFF) o = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[c]), o);                                 \
+            } else if (GS == 32) {                                                                              \
+                const __m256 A = _mm256_loadu_ps(at[2 * (c % 8)]);                                              \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc);   \
+                if (OFF) o = _mm256_fmadd_ps(_mm256_loadu_ps(bt[2 * (c % 8)]), _mm256_set1_ps(x->xsum[c]), o);  \
+            } else {                                                                                            \
+                for (int h = 0; h < 2; h++) {                                                                   \
+                    const __m256 A = _mm256_loadu_ps(at[2 * (c % 8) + h]);                                      \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h ? hi : lo), _mm256_mul_ps(A, d), acc);           \
+                    if (OFF) o = _mm256_fmadd_ps(_mm256_loadu_ps(bt[2 * (c % 8) + h]),                            \
+                                                 _mm256_set1_ps(x->xsum[2 * c + h]), o);                        \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        float out[8];                                                                                           \
+        _mm256_storeu_ps(out, OFF ? _mm256_add_ps(acc, o) : acc);                                               \
+        memcpy(y, out, sizeof(float) * (size_t)nr);                                                             \
+    }                                                                                                           \
+    __attribute__((target(isa))) static void name(const uint8_t *w, int64_t row_bytes, int64_t type,            \
+                                                  const xrows_t *x, float *y, int nr) {                         \
+        switch (type) {                                                                                         \
+            case QT_Q4_0: name##_of(w, row_bytes, QT_Q4_0, x, y, nr); return;                                   \
+            case QT_Q4_1: name##_of(w, row_bytes, QT_Q4_1, x, y, nr); return;                                   \
+            case QT_Q5_0: name##_of(w, row_bytes, QT_Q5_0, x, y, nr); return;                                   \
+            case QT_Q5_1: name##_of(w, row_bytes, QT_Q5_1, x, y, nr); return;                                   \
+            case QT_Q8_0: name##_of(w, row_bytes, QT_Q8_0, x, y, nr); return;                                   \
+            case QT_IQ4_NL: name##_of(w, row_bytes, QT_IQ4_NL, x, y, nr); return;                               \
+            case QT_Q4_K: name##_of(w, row_bytes, QT_Q4_K, x, y, nr); return;                                   \
+            case QT_Q5_K: name##_of(w, row_bytes, QT_Q5_K, x, y, nr); return;                                   \
+            case QT_Q6_K: name##_of(w, row_bytes, QT_Q6_K, x, y, nr); return;                                   \
+            case QT_IQ4_XS: name##_of(w, row_bytes, QT_IQ4_XS, x, y, nr); return;                               \
+            default: return; /* the caller sends only these */                                                  \
+        }                                                                                                       \
+    }
+DIRECT8(direct8_avx2, "avx2,fma,f16c", P32S_MADDUBS, P32U_MADDUBS)
+DIRECT8(direct8_avx512bw, "avx2,fma,f16c,avx512f,avx512bw,avx512vl", P32S_MADDUBS, P32U_MADDUBS)
+DIRECT8(direct8_avxvnni, "avx2,fma,f16c,avxvnni", P32S_AVXVNNI, P32U_AVXVNNI)
+DIRECT8(direct8_avx512vnni, ISA_512, P32S_AVX512VNNI, P32U_AVX512VNNI)
+typedef void (*direct_fn)(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y, int nr);
+
+typedef void (*tile_fn)(const tile_t *t, const xrows_t *x, float *y, int64_t m0, int mr, int64_t N, int nr, int gs,
+                        int offset, int flush);
+
+/* y[M, N] = x[M, K] @ w[N, K]^T in q8 mode (quant_gemm's FERRY_QT_Q8 products, any M). */
+void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
+    const int64_t isa = quant_q8_isa(-2);
+    const int gs = group_size(type), offset = q8_has_offset(type);
+    const int64_t row_bytes = K / qt_block(type) * qt_bytes(type);
+    xrows_t xr;
+    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, &xr);
+    if (isa == ISA_PORTABLE) {
+        rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
+        free_rows(&xr);
+        return;
+    }
+    if (M == 1 && (fast32(type) || fast_k(type))) {
+        static const direct_fn DIRECT[ISA_COUNT] = {NULL, direct8_avx2, direct8_avx512bw, direct8_avxvnni,
+                                                    direct8_avx512vnni};
+        const direct_fn run = DIRECT[isa];
+        #pragma omp parallel for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 8) run(w + n0 * row_bytes, row_bytes, type, &xr, y + n0, N - n0 < 8 ? (int)(N - n0) : 8);
+        free_rows(&xr);
+        return;
+    }
+    static const tile_fn TILES[ISA_COUNT] = {NULL, tile8_avx2, tile8_avx512bw, tile8_avxvnni, tile16_avx512vnni};
+    const tile_fn run = TILES[isa];
+    const int TR = isa == ISA_AVX512VNNI ? 16 : 8, sums = (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI) && !offset;
+    int flush = 32767 / (2 * 127 * max_level(type));
+    if (flush > gs / 4) flush = gs / 4;
+    const int64_t G16 = K / 16, ng = K / gs, tiles = (N + TR - 1) / TR;
+    #pragma omp parallel
+    {
+        int8_t *lev = malloc((size_t)(TR * K));
+        float *ra = malloc(sizeof(float) * (size_t)(TR * G16)), *rb = malloc(sizeof(float) * (size_t)(TR * G16));
+        tile_t t = {malloc((size_t)(TR * K)), malloc(sizeof(int32_t) * (size_t)(TR * ng)),
+                    malloc(sizeof(float) * (size_t)(TR * ng)), malloc(sizeof(float) * (size_t)(TR * ng))};
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < tiles; i++) {
+            const int64_t n0 = i * TR;
+            const int nr = N - n0 < TR ? (int)(N - n0) : TR;
+            build_tile(w + n0 * row_bytes, row_bytes, type, K, nr, TR, gs, sums, lev, ra, rb, &t);
+            for (int64_t m0 = 0; m0 < M; m0 += R) run(&t, &xr, y + n0, m0, M - m0 < R ? (int)(M - m0) : R, N, nr, gs, offset, flush);
+        }
+        free(lev); free(ra); free(rb);
+        free(t.t); free(t.w128); free(t.a); free(t.b);
+    }
+    free_rows(&xr);
+}
