@@ -45,8 +45,9 @@ Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
 # quant_q8_isa's variant ids (kernels/quant_q8.h), in order.
 Q8_ISAS = tuple(name for name, _ in Q8_ISA_MACROS)
 
-# Up to this many rows the kernel's product wins; above it, dequantize-then-BLAS (measured with
-# `ferry bench kernels`: BLAS's packing pays off once the weight is reused by many rows).
+# Exact mode: up to this many rows the kernel's product wins; above it, dequantize-then-BLAS
+# (measured with `ferry bench kernels`: BLAS's packing pays off once the weight is reused by many
+# rows). q8 mode takes its integer kernels at every M.
 KERNEL_ROWS = 32
 # Weights are dequantized for BLAS in slices of at most this many floats (16 MiB), so the buffer
 # stays small whatever the matrix (the LM head has 28M weights).

@@ -9,6 +9,7 @@
  * AVX2 variant holds no AVX-512 instruction.
  */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -187,12 +188,13 @@ static inline float round_away(float v) {
     return fabsf(v - t) >= 0.5f ? t + copysignf(1.f, v) : t;
 }
 
-/* One row of K activations -> int8 q and a scale per 32 (dx[K / 32]). */
+/* One row of K activations -> int8 q and a scale per 32 (dx[K / 32]). A block whose scale is
+ * below FLT_MIN is all zeros: 1 / dd would overflow, and with it the levels' |q| <= 127. */
 static void quant_q8_activations(const float *x, int64_t K, int8_t *q, float *dx) {
     for (int64_t blk = 0; blk < K / 32; blk++) {
         float amax = 0.f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[blk * 32 + i]));
-        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+        const float dd = amax / 127.f, id = dd >= FLT_MIN ? 1.f / dd : 0.f;
         dx[blk] = dd;
         for (int i = 0; i < 32; i++) q[blk * 32 + i] = (int8_t)(int)round_away(x[blk * 32 + i] * id);
     }
@@ -212,7 +214,7 @@ __attribute__((target("avx2,fma"))) static void quant_q8_activations_avx2(const 
         float l[8], amax = 0.f;
         _mm256_storeu_ps(l, m);
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, l[j]);
-        const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+        const float dd = amax / 127.f, id = dd >= FLT_MIN ? 1.f / dd : 0.f;
         dx[blk] = dd;
         __m256i lv[4];
         for (int j = 0; j < 4; j++) {

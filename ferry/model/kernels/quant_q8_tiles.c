@@ -1,7 +1,7 @@
 /* q8 products at every number of rows: y[M, N] = x[M, K] @ w[N, K]^T with x quantized per block of
  * 32 to int8 (q8_quantize_row) and integer dot products, a vector lane per weight row.
  *
- * TR weight rows (a tile: 8, or 16 with AVX-512) are unpacked to int8 levels (q8_unpack_row) and
+ * TR weight rows (a tile: 8, or 16 with AVX-512 VNNI) are unpacked to int8 levels (q8_unpack_row) and
  * turned so that dword d of the tile holds levels 4d..4d+3 of each of its rows side by side. One
  * broadcast of four activation bytes then multiplies all TR rows at once (dpbusd, or maddubs +
  * madd), and everything after it (scales, offsets, sums) is lane by lane. So an output is made by
@@ -9,8 +9,8 @@
  * scale groups g of its row (16 weights for Q2_K, Q3_K and Q6_K, else 32), in order,
  *     acc = fmaf((float)isum_g, a_g * dx_g, acc)    isum_g: the group's levels times x's (exact)
  *     o   = fmaf(b_g, xsum_g, o)                    offset types; xsum_g = dx_g * (float)sum of x's
- * and y = acc + o (offset types) or acc. One activation row (a decode step of one request) skips
- * the tile: direct8 multiplies 8 weight rows' levels straight from registers and sums each row's
+ * and y = acc + o (offset types) or acc. One activation row (a decode step of one request) of the
+ * types q8_levels.h builds in registers (all but Q2_K and Q3_K) skips the tile: direct8 multiplies 8 weight rows' levels straight from registers and sums each row's
  * lanes into lane r, then takes the same lane-wise steps. A row's outputs therefore never depend
  * on the batch it runs in, and every variant returns the portable code's bits. Built like quant_q8.c: plain
  * x86-64-v2, each variant's instructions enabled by target attributes, no fused or fast float math
@@ -252,6 +252,8 @@ static int max_level(int64_t type) {
                     }                                                                                          \
                 }                                                                                              \
             }                                                                                                  \
+            if (!VNNI && DPG % flush)                                                                          \
+                for (int r = 0; r < MR; r++) s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(s16[r], ones16)); \
             const __m256 A = _mm256_loadu_ps(t->a + g * 8), B = _mm256_loadu_ps(t->b + g * 8);               \
             for (int r = 0; r < MR; r++) {                                                                     \
                 const int64_t m = m0 + r;                                                                      \

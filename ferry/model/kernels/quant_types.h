@@ -37,7 +37,7 @@ static inline int64_t qt_bytes(int64_t type) {
 #undef FERRY_QT_CASE
 }
 
-#define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8.c) */
+#define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8_tiles.c) */
 
 /* Q4_K / Q5_K: sub-block j's six-bit scale and min, 8 of each packed in 12 bytes at s. */
 static inline void qt_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
