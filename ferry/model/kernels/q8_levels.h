@@ -66,26 +66,22 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256i le
     }
 }
 
-/* A super-block's per-16 scales a and offsets b. */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block_scales_k(const uint8_t *bl, const int64_t type,
-                                                                                         float *a, float *b) {
+/* A K-quant or IQ4_XS super-block's per-16 scales a and offsets b from its float16 scales, already
+ * converted: d (and dmin for Q4_K / Q5_K). Plain C: unpack_block's portable path uses it too. */
+static inline void k_scales(const uint8_t *bl, const int64_t type, float d, float dmin, float *a, float *b) {
     if (type == QT_Q4_K || type == QT_Q5_K) {
-        const float d = f16(bl), dmin = f16(bl + 2);
-        const uint8_t *s = bl + 4;
         for (int j = 0; j < 8; j++) {
             int sc, mn;
-            qt_scale_min_k4(s, j, &sc, &mn);
+            qt_scale_min_k4(bl + 4, j, &sc, &mn);
             a[2 * j] = a[2 * j + 1] = d * (float)sc;
             b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
         }
     } else if (type == QT_Q6_K) {
-        const float d = f16(bl + 208);
         for (int g = 0; g < 16; g++) {
             a[g] = d * (float)(int8_t)bl[192 + g];
             b[g] = 0.f;
         }
     } else { /* IQ4_XS */
-        const float d = f16(bl);
         const uint16_t sh = (uint16_t)(bl[2] | (bl[3] << 8));
         for (int j = 0; j < 8; j++) {
             const int ls = (((bl[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
@@ -93,6 +89,13 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block
             b[2 * j] = b[2 * j + 1] = 0.f;
         }
     }
+}
+
+/* The same with F16C converting d and dmin. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void block_scales_k(const uint8_t *bl, const int64_t type,
+                                                                                         float *a, float *b) {
+    const int mins = type == QT_Q4_K || type == QT_Q5_K;
+    k_scales(bl, type, f16(bl + (type == QT_Q6_K ? 208 : 0)), mins ? f16(bl + 2) : 0.f, a, b);
 }
 
 /* Chunk c (of 8) of a super-block's levels. */

@@ -113,13 +113,9 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
         }
         case QT_Q4_K: case QT_Q5_K: {
             const int five = type == QT_Q5_K;
-            const float d = qt_f16(bl), dmin = qt_f16(bl + 2);
-            const uint8_t *s = bl + 4, *qh = bl + 16, *qs = bl + (five ? 48 : 16);
+            const uint8_t *qh = bl + 16, *qs = bl + (five ? 48 : 16);
+            k_scales(bl, type, qt_f16(bl), qt_f16(bl + 2), a, b);
             for (int j = 0; j < 8; j++) {
-                int sc, m;
-                qt_scale_min_k4(s, j, &sc, &m);
-                a[2 * j] = a[2 * j + 1] = d * (float)sc;
-                b[2 * j] = b[2 * j + 1] = -(dmin * (float)m);
                 for (int l = 0; l < 32; l++) {
                     int v = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15;
                     if (five) v |= ((qh[l] >> j) & 1) << 4;
@@ -130,11 +126,7 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
         }
         case QT_Q6_K: {
             const uint8_t *ql = bl, *qh = bl + 128;
-            const float d = qt_f16(bl + 208);
-            for (int g = 0; g < 16; g++) {
-                a[g] = d * (float)(int8_t)bl[192 + g];
-                b[g] = 0.f;
-            }
+            k_scales(bl, type, qt_f16(bl + 208), 0.f, a, b);
             for (int e = 0; e < 256; e++) {
                 const int half = e / 128, r = e % 128;
                 const int lo = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 15;
@@ -144,12 +136,8 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
             return;
         }
         case QT_IQ4_XS: {
-            const float d = qt_f16(bl);
-            const uint16_t sh = (uint16_t)(bl[2] | (bl[3] << 8));
+            k_scales(bl, type, qt_f16(bl), 0.f, a, b);
             for (int j = 0; j < 8; j++) {
-                const int ls = (((bl[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
-                a[2 * j] = a[2 * j + 1] = d * (float)ls;
-                b[2 * j] = b[2 * j + 1] = 0.f;
                 const uint8_t *qs = bl + 8 + 16 * j;
                 for (int i = 0; i < 16; i++) {
                     q[j * 32 + i] = KVALUES_IQ4[qs[i] & 15];

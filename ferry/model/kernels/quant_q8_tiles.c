@@ -10,10 +10,11 @@
  *     acc = fmaf((float)isum_g, a_g * dx_g, acc)    isum_g: the group's levels times x's (exact)
  *     o   = fmaf(b_g, xsum_g, o)                    offset types; xsum_g = dx_g * (float)sum of x's
  * and y = acc + o (offset types) or acc. One activation row (a decode step of one request) of the
- * types q8_levels.h builds in registers (all but Q2_K and Q3_K) skips the tile: direct8 multiplies 8 weight rows' levels straight from registers and sums each row's
- * lanes into lane r, then takes the same lane-wise steps. A row's outputs therefore never depend
- * on the batch it runs in, and every variant returns the portable code's bits. Built like quant_q8.c: plain
- * x86-64-v2, each variant's instructions enabled by target attributes, no fused or fast float math
+ * types q8_levels.h builds in registers (all but Q2_K and Q3_K) skips the tile: direct8 multiplies
+ * 8 weight rows' levels straight from registers and sums each row's lanes into lane r, then takes
+ * the same lane-wise steps. A row's outputs therefore never depend on the batch it runs in, and
+ * every variant returns the portable code's bits. Built like quant_q8.c: plain x86-64-v2, each
+ * variant's instructions enabled by target attributes, no fused or fast float math
  * outside the spelled-out fmaf.
  */
 #include <immintrin.h>
@@ -44,7 +45,10 @@ static inline int32_t dword_at(const void *p) {
     return v;
 }
 
-static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, xrows_t *r) {
+/* want_u: dpbusd on unsigned activations (VNNI variants, types without offsets); want_sum: the
+ * offset types' xsum. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
+                          xrows_t *r) {
     r->K = K, r->nb = K / 32, r->ng = K / gs;
     r->q = malloc((size_t)(M * K));
     r->u = malloc((size_t)(M * K));
@@ -54,8 +58,9 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int port
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = r->q + m * K;
         q8_quantize_row(x + m * K, K, q, r->dx + m * r->nb, portable);
-        for (int64_t k = 0; k < K; k++) r->u[m * K + k] = (uint8_t)(q[k] ^ 0x80);
-        for (int64_t g = 0; g < r->ng; g++) {
+        if (want_u)
+            for (int64_t k = 0; k < K; k++) r->u[m * K + k] = (uint8_t)(q[k] ^ 0x80);
+        for (int64_t g = 0; want_sum && g < r->ng; g++) {
             int32_t s = 0;
             for (int i = 0; i < gs; i++) s += q[g * gs + i];
             r->xsum[m * r->ng + g] = r->dx[m * r->nb + g * gs / 32] * (float)s;
@@ -446,8 +451,10 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     const int64_t isa = quant_q8_isa(-2);
     const int gs = group_size(type), offset = q8_has_offset(type);
     const int64_t row_bytes = K / qt_block(type) * qt_bytes(type);
+    if (M == 0) return;
+    const int vnni = isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI;
     xrows_t xr;
-    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, &xr);
+    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, &xr);
     if (isa == ISA_PORTABLE) {
         rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
         free_rows(&xr);
@@ -464,7 +471,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     }
     static const tile_fn TILES[ISA_COUNT] = {NULL, tile8_avx2, tile8_avx512bw, tile8_avxvnni, tile16_avx512vnni};
     const tile_fn run = TILES[isa];
-    const int TR = isa == ISA_AVX512VNNI ? 16 : 8, sums = (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI) && !offset;
+    const int TR = isa == ISA_AVX512VNNI ? 16 : 8, sums = vnni && !offset;
     int flush = 32767 / (2 * 127 * max_level(type));
     if (flush > gs / 4) flush = gs / 4;
     const int64_t G16 = K / 16, ng = K / gs, tiles = (N + TR - 1) / TR;
