@@ -125,14 +125,82 @@ __attribute__((target("avx2"), always_inline)) static inline void transpose8(__m
     }
 }
 
-/* Rows [0, nr) of w as a tile of TR (the rest zero): each row's levels built in registers
- * (q8_levels.h; Q2_K and Q3_K through unpack_block) and stored in lev, reading the weights in
- * order, then turned 8 x 8 dwords at a time from L1. */
+/* The 32-block types' float16 d (and Q4_1 / Q5_1's m) of 8 rows' blocks at bl + i * row_bytes,
+ * converted together (rows past nr: 0). */
+__attribute__((target("avx2,f16c"), always_inline)) static inline void scales8(const uint8_t *bl, int64_t row_bytes, int nr,
+                                                                             __m256 *a, __m256 *b) {
+    /* built in registers: eight scalar stores then one vector load would stall store forwarding */
+    int32_t d[8];
+    for (int i = 0; i < 8; i++) d[i] = i < nr ? dword_at(bl + i * row_bytes) : 0;
+    const __m256i v = _mm256_setr_epi32(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+    /* per 128-bit lane: the four low halves, then the four high ones */
+    const __m256i s = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i q = _mm256_permute4x64_epi64(s, 0xD8); /* d0-3 d4-7 m0-3 m4-7 */
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(q));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(q, 1));
+}
+
+/* 8 rows' levels of 32-chunk C, v[i] row r0 + i, turned and stored into the tile. */
+__attribute__((target("avx2"), always_inline)) static inline void turn8(__m256i *v, tile_t *t, int64_t C, int TR, int r0) {
+    transpose8(v);
+    for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(t->t + (C * 8 + j) * TR + r0), v[j]);
+}
+
+/* How many of the 8 rows from r0 are real (of nr). */
+static inline int rows_from(int nr, int r0) { return nr - r0 < 0 ? 0 : nr - r0 < 8 ? nr - r0 : 8; }
+
+/* Rows [0, nr) of w as a tile of TR (the rest zero). The types q8_levels.h builds: 8 rows' levels
+ * of one 32-chunk in registers, turned there (8 x 8 dwords); the 32-block types' scales of 8 rows
+ * converted together. Q2_K and Q3_K: each row unpacked into lev (unpack_block), then turned from L1. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void build_tile_of(
         const uint8_t *w, int64_t row_bytes, const int64_t type, int64_t K, int nr, int TR, int gs, int8_t *lev,
         float *ra, float *rb, tile_t *t) {
     const int64_t G16 = K / 16, nc = K / 32, bytes = qt_bytes(type);
     const int per_chunk = 32 / gs, step = gs / 16;
+    if (fast32(type)) {
+        const int off = q8_has_offset(type);
+        for (int r0 = 0; r0 < TR; r0 += 8) {
+            const uint8_t *rows = w + r0 * row_bytes;
+            const int n8 = rows_from(nr, r0);
+            for (int64_t c = 0; c < nc; c++) {
+                __m256i v[8];
+                float a, b;
+                for (int i = 0; i < 8; i++)
+                    v[i] = i < n8 ? levels32(rows + i * row_bytes + c * bytes, type, &a, &b) : _mm256_setzero_si256();
+                turn8(v, t, c, TR, r0);
+                __m256 A, B;
+                scales8(rows + c * bytes, row_bytes, n8, &A, &B);
+                _mm256_storeu_ps(t->a + c * TR + r0, A);
+                _mm256_storeu_ps(t->b + c * TR + r0, off ? B : _mm256_setzero_ps());
+            }
+        }
+        return;
+    }
+    if (fast_k(type)) {
+        const int gpb = 256 / gs; /* scale groups per super-block */
+        for (int r0 = 0; r0 < TR; r0 += 8) {
+            const uint8_t *rows = w + r0 * row_bytes;
+            const int n8 = rows_from(nr, r0);
+            for (int64_t sb = 0; sb < nc / 8; sb++) {
+                for (int i = 0; i < 8; i++) {
+                    float a[16] = {0}, b[16] = {0};
+                    if (i < n8) block_scales_k(rows + i * row_bytes + sb * bytes, type, a, b);
+                    for (int g = 0; g < gpb; g++) {
+                        t->a[(sb * gpb + g) * TR + r0 + i] = a[g * step];
+                        t->b[(sb * gpb + g) * TR + r0 + i] = b[g * step];
+                    }
+                }
+                for (int c = 0; c < 8; c++) {
+                    __m256i v[8];
+                    for (int i = 0; i < 8; i++)
+                        v[i] = i < n8 ? levels_k(rows + i * row_bytes + sb * bytes, type, c) : _mm256_setzero_si256();
+                    turn8(v, t, sb * 8 + c, TR, r0);
+                }
+            }
+        }
+        return;
+    }
     for (int r = 0; r < TR; r++) {
         const uint8_t *row = w + r * row_bytes;
         float *a = ra + r * G16, *b = rb + r * G16;
@@ -140,16 +208,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void build
             memset(lev + r * K, 0, (size_t)K);
             memset(a, 0, sizeof(float) * (size_t)G16);
             memset(b, 0, sizeof(float) * (size_t)G16);
-        } else if (fast32(type)) {
-            for (int64_t c = 0; c < nc; c++) {
-                _mm256_storeu_si256((__m256i *)(lev + r * K + 32 * c), levels32(row + c * bytes, type, &a[2 * c], &b[2 * c]));
-            }
-        } else if (fast_k(type)) {
-            for (int64_t sb = 0; sb < nc / 8; sb++) {
-                block_scales_k(row + sb * bytes, type, a + 16 * sb, b + 16 * sb);
-                for (int c = 0; c < 8; c++)
-                    _mm256_storeu_si256((__m256i *)(lev + r * K + 256 * sb + 32 * c), levels_k(row + sb * bytes, type, c));
-            }
         } else {
             q8_unpack_row(row, type, K, lev + r * K, a, b, 0);
         }
@@ -162,8 +220,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void build
         for (int64_t c = 0; c < nc; c++) {
             __m256i v[8];
             for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(lev + (r0 + i) * K + 32 * c));
-            transpose8(v);
-            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(t->t + (c * 8 + j) * TR + r0), v[j]);
+            turn8(v, t, c, TR, r0);
         }
 }
 
@@ -343,22 +400,6 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
     *hi = _mm256_permute2x128_si256(g0, g1, 0x31);
 }
 
-
-/* The 32-block types' float16 d (and Q4_1 / Q5_1's m) of 8 rows' blocks at bl + i * row_bytes,
- * converted together (rows past nr: 0). */
-__attribute__((target("avx2,f16c"), always_inline)) static inline void scales8(const uint8_t *bl, int64_t row_bytes, int nr,
-                                                                             __m256 *a, __m256 *b) {
-    /* built in registers: eight scalar stores then one vector load would stall store forwarding */
-    int32_t d[8];
-    for (int i = 0; i < 8; i++) d[i] = i < nr ? dword_at(bl + i * row_bytes) : 0;
-    const __m256i v = _mm256_setr_epi32(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
-    /* per 128-bit lane: the four low halves, then the four high ones */
-    const __m256i s = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-    const __m256i q = _mm256_permute4x64_epi64(s, 0xD8); /* d0-3 d4-7 m0-3 m4-7 */
-    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(q));
-    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(q, 1));
-}
 
 /* The eight int32 sums of 4 products of 32 levels v by 32 activations x: signed levels through
  * their magnitudes and x with their signs, offset types' (never negative) as they are. */
