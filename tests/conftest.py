@@ -45,9 +45,18 @@ def llm():
 
 
 @pytest.fixture(scope="session")
-def parity_prompts(llm):
+def exact_llm():
+    """The embedded model with exact products (float32 activations): the dequantized model's results,
+    the same tokens however requests are batched; what parity and invariance tests hold the engine to."""
+    from ferry import LLM
+
+    return LLM(quant_activations="exact")
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(exact_llm):
     """8 prompts of different lengths, 5 to 400 tokens, cut from one natural text at different places."""
-    ids = llm.tokenizer.encode(LONG_TEXT * 2, add_special_tokens=False)
+    ids = exact_llm.tokenizer.encode(LONG_TEXT * 2, add_special_tokens=False)
     lengths = [5, 17, 42, 90, 150, 230, 310, 400]
     offsets = [0, 11, 40, 7, 63, 120, 25, 3]
     return [ids[o:o + n] for o, n in zip(offsets, lengths)]

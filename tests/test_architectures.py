@@ -59,7 +59,7 @@ def max_logprob_diff(llm: LLM, refs: list[torch.Tensor]) -> float:
 
 def engine(model: str, blocks: int = 26, **kw) -> LLM:
     # A 16-token budget cuts every prompt into chunks (the window is 8); few blocks force preemption.
-    return LLM(model=model, max_num_batched_tokens=16, max_num_seqs=3, block_size=4, num_kv_blocks=blocks,
+    return LLM(model=model, quant_activations="exact", max_num_batched_tokens=16, max_num_seqs=3, block_size=4, num_kv_blocks=blocks,
                enable_prefix_caching=True, **kw)
 
 

@@ -6,6 +6,12 @@ import torch
 
 from ferry import SamplingParams
 
+
+@pytest.fixture(scope="module")
+def llm(exact_llm):
+    """Exact products: transformers' results are the dequantized model's."""
+    return exact_llm
+
 NEW_TOKENS = 64
 
 
@@ -46,7 +52,7 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(hf_mode
     with torch.inference_mode():
         refs = [torch.log_softmax(hf_model(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
     # A small budget cuts every prompt into chunks; a small cache forces preemption (recompute).
-    llm = LLM(max_num_batched_tokens=64, num_kv_blocks=30, max_num_seqs=3)
+    llm = LLM(quant_activations="exact", max_num_batched_tokens=64, num_kv_blocks=30, max_num_seqs=3)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert llm.engine.num_preemptions > 0
@@ -71,7 +77,7 @@ def test_embeddings_match_transformers_hidden_states(hf_model, parity_prompts, p
     with torch.inference_mode():
         hidden = [hf_model.model(torch.tensor([p])).last_hidden_state[0].float() for p in prompts]
     refs = [torch.nn.functional.normalize(h[-1] if pooling == "last" else h.mean(0), dim=0) for h in hidden]
-    llm = LLM(max_num_batched_tokens=64, enable_prefix_caching=True)
+    llm = LLM(quant_activations="exact", max_num_batched_tokens=64, enable_prefix_caching=True)
     emb = SamplingParams(pooling=pooling)
     gen = SamplingParams(temperature=0, max_tokens=8)
     for second in (False, True):  # the second time "last" starts past the cached prefix; "mean" never does
@@ -91,7 +97,7 @@ def test_a_mean_pooled_embedding_survives_preemption(hf_model, parity_prompts):
         ref = torch.nn.functional.normalize(hf_model.model(torch.tensor([long])).last_hidden_state[0].mean(0), dim=0)
     # Three generating requests grow while the embedding (the latest arrival) prefills in chunks:
     # the cache runs out and the embedding is preempted, then computed again (its rows added once).
-    llm = LLM(max_num_batched_tokens=64, num_kv_blocks=24, max_num_seqs=4)
+    llm = LLM(quant_activations="exact", max_num_batched_tokens=64, num_kv_blocks=24, max_num_seqs=4)
     gen = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     outs = llm.generate([short] * 3 + [long], [gen] * 3 + [SamplingParams(pooling="mean")], use_tqdm=False)
     assert outs[-1].metrics.num_preemptions > 0

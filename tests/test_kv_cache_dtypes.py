@@ -11,6 +11,12 @@ import torch
 
 from ferry import LLM, SamplingParams
 
+
+@pytest.fixture(scope="module")
+def llm(exact_llm):
+    """Exact products: the bounds and ties below are the caches' own costs, not q8's."""
+    return exact_llm
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 # Where the reference run's top two tokens are this close (nats), another run may pick the other
 # one: on the parity prompts one such tie, 0.0006 apart in float32, which a float16 cache flips
@@ -49,7 +55,7 @@ def assert_greedy_up_to_ties(want: list, got: list[list[int]], tie: float = TIE)
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 def test_a_16_bit_cache_keeps_the_greedy_tokens_within_a_logprob_bound(llm, parity_prompts, float32_results, kv_dtype):
     greedy, scored = float32_results
-    half = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
+    half = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype, kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
     assert half.engine.num_kv_blocks // 2 == llm.engine.num_kv_blocks  # the cache is sized in bytes
     assert half.engine.executor.kv_caches[0][0].dtype == getattr(torch, kv_dtype)
     assert_greedy_up_to_ties(greedy, [o.outputs[0].token_ids for o in half.generate(parity_prompts, GREEDY, use_tqdm=False)])
@@ -65,7 +71,7 @@ def test_a_q8_0_cache_holds_3_8_times_the_tokens_within_a_logprob_bound(llm, par
     """llama.cpp's q8_0 blocks (34 bytes per 32 values): not exact enough to promise the float32
     cache's greedy tokens, so a stated bound on the prompt tokens' logprobs instead."""
     _, scored = float32_results
-    q8 = LLM(kv_cache_dtype="q8_0", kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
+    q8 = LLM(quant_activations="exact", kv_cache_dtype="q8_0", kv_cache_memory_gb=llm.config.kv_cache_memory_gb)
     assert abs(q8.engine.num_kv_blocks / llm.engine.num_kv_blocks - 128 / 34) < 0.005  # sized in bytes
     assert q8.engine.executor.kv_caches[0][0].dtype == torch.uint8
     diffs = [abs(a.prompt_logprobs[j][p[j]] - b.prompt_logprobs[j][p[j]])
@@ -89,21 +95,21 @@ def test_a_rounded_cache_gives_the_same_tokens_however_requests_are_batched(pari
     up to near ties, where the products' order of sums (which batching changes) can tip a rounded
     cache's choice (a chunk's own K/V are read rounded too, so chunking cannot change what attention
     sees)."""
-    one = LLM(kv_cache_dtype=kv_dtype)
+    one = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype)
     alone = [one.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in parity_prompts]
 
     def same(outputs: list) -> None:
         assert_greedy_up_to_ties(alone, [o.outputs[0].token_ids for o in outputs], TIES[kv_dtype])
 
     same(one.generate(parity_prompts, GREEDY, use_tqdm=False))
-    small = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, enable_prefix_caching=True)
+    small = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, enable_prefix_caching=True)
     for _ in range(2):  # the second time from the prefix cache
         same(small.generate(parity_prompts, GREEDY, use_tqdm=False))
     assert small.engine.scheduler.kv.num_hit_tokens > 0
-    tight = LLM(kv_cache_dtype=kv_dtype, num_kv_blocks=80, max_num_batched_tokens=256)
+    tight = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype, num_kv_blocks=80, max_num_batched_tokens=256)
     same(tight.generate(parity_prompts, GREEDY, use_tqdm=False))
     assert tight.engine.num_preemptions > 0
-    torch_path = LLM(kv_cache_dtype=kv_dtype, max_num_batched_tokens=16)
+    torch_path = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype, max_num_batched_tokens=16)
     torch_path.engine.executor.model.use_kernel = False  # the torch reference reads the same cache
     torch_path.engine.executor.model.fused = None
     assert_greedy_up_to_ties(alone[:4], [o.outputs[0].token_ids
@@ -113,15 +119,15 @@ def test_a_rounded_cache_gives_the_same_tokens_however_requests_are_batched(pari
 
 def test_an_unknown_kv_cache_dtype_is_named():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(kv_cache_dtype="q4")
+        LLM(quant_activations="exact", kv_cache_dtype="q4")
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "q8_0"])
 def test_tensor_parallel_ranks_hold_their_shards_in_a_smaller_dtype(parity_prompts, kv_dtype):
     prompts = parity_prompts[1:4]
-    one = LLM(kv_cache_dtype=kv_dtype)
+    one = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype)
     want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    two = LLM(kv_cache_dtype=kv_dtype, tensor_parallel_size=2, num_kv_blocks=64)
+    two = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype, tensor_parallel_size=2, num_kv_blocks=64)
     try:
         assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,12 @@ from ferry.core.sampling_params import SamplingParams
 from ferry.engine.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
 from tests.fakes import FakeExecutor
+
+
+@pytest.fixture(scope="module")
+def llm(exact_llm):
+    """Exact products, so a cached prefix must give the very same tokens."""
+    return exact_llm
 
 BS = 4
 
@@ -222,7 +229,7 @@ def test_cached_prefixes_give_the_same_tokens_on_the_model(llm, parity_prompts):
     assert llm.engine.kv.num_hit_tokens - hits >= 8 * 192
     assert all(o.metrics.num_cached_tokens >= 192 for o in warm_outs)
     assert [o.outputs[0].token_ids for o in warm_outs] == cold
-    off = LLM(enable_prefix_caching=False)
+    off = LLM(quant_activations="exact", enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)] == cold
     assert off.engine.kv.num_hit_tokens == 0
     llm.engine.reset_prefix_cache()

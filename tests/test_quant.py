@@ -153,19 +153,19 @@ def test_a_type_the_kernels_lack_is_refused_by_name(tmp_path):
         load_gguf_weights(tmp_path / "tq.gguf")
 
 
-def test_quantized_and_float_engines_agree(llm, parity_prompts):
-    """The default engine keeps the GGUF quantized; quantization='none' runs the dequantized
+def test_quantized_and_float_engines_agree(exact_llm, parity_prompts):
+    """The engine keeps the GGUF quantized; quantization='none' runs the dequantized
     float32 model: the same greedy tokens on the parity prompts."""
     from ferry import LLM, SamplingParams
 
-    assert llm.engine.config.quantization is None and isinstance(llm.engine.executor.model.layers[0].qkv, QuantWeight)
+    assert exact_llm.engine.config.quantization is None and isinstance(exact_llm.engine.executor.model.layers[0].qkv, QuantWeight)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     # Both compute every prompt from scratch: KV cached by earlier tests came from other batch
     # shapes, a few ulps apart, enough to flip a near-tie between the two models.
-    llm.engine.reset_prefix_cache()
+    exact_llm.engine.reset_prefix_cache()
     floats = LLM(quantization="none")
     assert isinstance(floats.engine.executor.model.layers[0].qkv, torch.Tensor)
-    a = [o.outputs[0].token_ids for o in llm.generate(parity_prompts, sp, use_tqdm=False)]
+    a = [o.outputs[0].token_ids for o in exact_llm.generate(parity_prompts, sp, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in floats.generate(parity_prompts, sp, use_tqdm=False)]
     assert a == b
 
@@ -274,7 +274,7 @@ def test_a_mixed_file_generates_as_its_dequantized_copy(tmp_path, monkeypatch, p
     monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "mixed-q4km.gguf"
     write_mixed_gguf(path)
-    quant = LLM(model=str(path))
+    quant = LLM(model=str(path), quant_activations="exact")
     layers = quant.engine.executor.model.layers
     kinds = [(l.qkv.qtype, l.o_proj.qtype, l.gate_up.qtype, l.down.qtype) for l in layers]
     assert kinds == [(m["attn_q"], m["attn_output"], m["ffn_gate"], m["ffn_down"]) for m in MIXED]
@@ -389,15 +389,17 @@ def test_a_q8_row_gets_the_same_bits_in_any_batch(qtype):
     assert torch.equal(quant_linear(w=w.__class__(w.data[rows].contiguous(), w.qtype, (4, k), "q8"), x=x), whole[:, rows])
 
 
-def test_a_q8_engine_stays_close_to_the_exact_one(llm, parity_prompts):
-    """quant_activations='q8' reaches every quantized product (the fused decode too): the model's
-    next-token choices mostly agree with exact mode's, and its logprobs move little but do move."""
+def test_a_q8_engine_stays_close_to_the_exact_one(exact_llm, llm, parity_prompts):
+    """quant_activations='q8', the default, reaches every quantized product (the fused decode too):
+    the model's next-token choices mostly agree with exact mode's, and its logprobs move little but
+    do move."""
     from ferry import LLM, SamplingParams
     from ferry.bench.accuracy import compare
 
-    q8 = LLM(quant_activations="q8")
-    assert q8.engine.executor.model.layers[0].qkv.activations == "q8"
-    stats = compare(llm, q8, parity_prompts[:4])
+    q8 = llm
+    assert q8.engine.config.quant_activations == "q8" and q8.engine.executor.model.layers[0].qkv.activations == "q8"
+    assert exact_llm.engine.executor.model.layers[0].qkv.activations == "exact"
+    stats = compare(exact_llm, q8, parity_prompts[:4])
     assert stats["top1_agreement"] > 0.9 and 0 < stats["mean_abs_logprob_diff"] < 0.2, stats
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert all(len(o.outputs[0].token_ids) == 8 for o in q8.generate(parity_prompts[:2], sp, use_tqdm=False))

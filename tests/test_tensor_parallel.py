@@ -19,6 +19,12 @@ from ferry.model.config import ModelConfig
 from ferry.model.quant import QuantWeight, dequantize, repack
 from ferry.model.tensor_parallel import ShardPlan, shard_cols, shard_rows, split
 
+
+@pytest.fixture(scope="module")
+def llm(exact_llm):
+    """Exact products, so ranks must give one process's very tokens."""
+    return exact_llm
+
 NEW_TOKENS = 48
 
 
@@ -84,7 +90,7 @@ def test_quantized_shards_equal_the_dequantized_slices():
 
 @pytest.fixture(scope="module")
 def tp_llm():
-    llm = LLM(tensor_parallel_size=2)
+    llm = LLM(quant_activations="exact", tensor_parallel_size=2)
     yield llm
     llm.close()
 
@@ -118,7 +124,7 @@ def test_chunks_preemption_and_speculation_match_one_process(parity_prompts):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
     results = []
     for tp in (1, 2):
-        llm = LLM(tensor_parallel_size=tp, **settings)
+        llm = LLM(quant_activations="exact", tensor_parallel_size=tp, **settings)
         try:
             results.append((llm.generate(prompts, sp, use_tqdm=False), llm.engine.num_preemptions,
                             llm.engine.scheduler.num_drafts))
@@ -138,7 +144,7 @@ def _rank_pid(llm: LLM, rank: int) -> int:
 
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_rank_stops_the_engine_with_a_named_error(how):
-    llm = LLM(tensor_parallel_size=2, distributed_timeout_seconds=3)
+    llm = LLM(quant_activations="exact", tensor_parallel_size=2, distributed_timeout_seconds=3)
     try:
         sp = SamplingParams(temperature=0, max_tokens=4)
         assert llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0].token_ids
