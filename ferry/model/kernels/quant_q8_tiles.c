@@ -141,6 +141,61 @@ __attribute__((target("avx2,f16c"), always_inline)) static inline void scales8(c
     *b = _mm256_cvtph_ps(_mm256_extracti128_si256(q, 1));
 }
 
+/* Eight dwords at p + i * row_bytes (rows past nr: 0) in lanes, built in registers. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i dwords8(const uint8_t *p, int64_t row_bytes, int nr) {
+    int32_t d[8];
+    for (int i = 0; i < 8; i++) d[i] = i < nr ? dword_at(p + i * row_bytes) : 0;
+    return _mm256_setr_epi32(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+}
+
+/* k_scales of 8 rows' super-blocks at bl + i * row_bytes at once: A[g], B[g] lane i = row i's
+ * a, b of 16-group g (rows past nr: 0). The same float operations as k_scales (one product of
+ * the converted scale and the integer, or its negation), so the same bits. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void kscales8(
+        const uint8_t *bl, int64_t row_bytes, int nr, const int64_t type, __m256 *A, __m256 *B) {
+    const __m256i ff = _mm256_set1_epi32(0xff);
+    if (type == QT_Q4_K || type == QT_Q5_K) {
+        __m256 D, DMIN;
+        scales8(bl, row_bytes, nr, &D, &DMIN);
+        /* the 12 scale bytes of each row as 3 dwords; qt_scale_min_k4's bytes, 4 at a time */
+        const __m256i u0 = dwords8(bl + 4, row_bytes, nr), u1 = dwords8(bl + 8, row_bytes, nr);
+        const __m256i u2 = dwords8(bl + 12, row_bytes, nr);
+        const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+        const __m256i sc[2] = {_mm256_and_si256(u0, m6),
+                               _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30))};
+        const __m256i mn[2] = {_mm256_and_si256(u1, m6),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30))};
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (int j = 0; j < 8; j++) {
+            const __m256 fs = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc[j / 4], 8 * (j % 4)), ff));
+            const __m256 fm = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn[j / 4], 8 * (j % 4)), ff));
+            A[2 * j] = A[2 * j + 1] = _mm256_mul_ps(D, fs);
+            B[2 * j] = B[2 * j + 1] = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), sign);
+        }
+    } else if (type == QT_Q6_K) {
+        uint16_t h[8];
+        for (int i = 0; i < 8; i++) h[i] = i < nr ? (uint16_t)(bl[i * row_bytes + 208] | (bl[i * row_bytes + 209] << 8)) : 0;
+        const __m256 D = _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3],
+                                                        (short)h[4], (short)h[5], (short)h[6], (short)h[7]));
+        for (int k = 0; k < 4; k++) {
+            const __m256i w = dwords8(bl + 192 + 4 * k, row_bytes, nr);
+            for (int b = 0; b < 4; b++) {
+                const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * b), 24); /* int8 -> int32 */
+                A[4 * k + b] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(v));
+                B[4 * k + b] = _mm256_setzero_ps();
+            }
+        }
+    } else { /* IQ4_XS: row by row */
+        float a[8][16] = {{0}}, b[8][16] = {{0}};
+        for (int i = 0; i < nr && i < 8; i++) block_scales_k(bl + i * row_bytes, type, a[i], b[i]);
+        for (int g = 0; g < 16; g++) {
+            A[g] = _mm256_setr_ps(a[0][g], a[1][g], a[2][g], a[3][g], a[4][g], a[5][g], a[6][g], a[7][g]);
+            B[g] = _mm256_setr_ps(b[0][g], b[1][g], b[2][g], b[3][g], b[4][g], b[5][g], b[6][g], b[7][g]);
+        }
+    }
+}
+
 /* 8 rows' levels of 32-chunk C, v[i] row r0 + i, turned and stored into the tile. */
 __attribute__((target("avx2"), always_inline)) static inline void turn8(__m256i *v, tile_t *t, int64_t C, int TR, int r0) {
     transpose8(v);
@@ -183,13 +238,11 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void build
             const uint8_t *rows = w + r0 * row_bytes;
             const int n8 = rows_from(nr, r0);
             for (int64_t sb = 0; sb < nc / 8; sb++) {
-                for (int i = 0; i < 8; i++) {
-                    float a[16] = {0}, b[16] = {0};
-                    if (i < n8) block_scales_k(rows + i * row_bytes + sb * bytes, type, a, b);
-                    for (int g = 0; g < gpb; g++) {
-                        t->a[(sb * gpb + g) * TR + r0 + i] = a[g * step];
-                        t->b[(sb * gpb + g) * TR + r0 + i] = b[g * step];
-                    }
+                __m256 A[16], B[16];
+                kscales8(rows + sb * bytes, row_bytes, n8, type, A, B);
+                for (int g = 0; g < gpb; g++) {
+                    _mm256_storeu_ps(t->a + (sb * gpb + g) * TR + r0, A[g * step]);
+                    _mm256_storeu_ps(t->b + (sb * gpb + g) * TR + r0, B[g * step]);
                 }
                 for (int c = 0; c < 8; c++) {
                     __m256i v[8];
@@ -417,24 +470,16 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
         const int64_t nc = x->K / 32, bytes = qt_bytes(type);                                                   \
         const int GS = group_size(type), OFF = q8_has_offset(type);                                             \
         __m256 acc = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                              \
-        float at[16][8] = {{0}}, bt[16][8] = {{0}}, a8[8], b8[8];                                   \
+        __m256 ka[16], kb[16];                                                                                  \
+        float a8[8], b8[8];                                                                                     \
         for (int64_t c = 0; c < nc; c++) {                                                                      \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));                            \
             __m256i p[8];                                                                                       \
+            if (!fast32(type) && c % 8 == 0) kscales8(w + (c / 8) * bytes, row_bytes, nr, type, ka, kb);               \
             for (int i = 0; i < 8; i++) {                                                                       \
                 if (i >= nr) { p[i] = _mm256_setzero_si256(); continue; }                                      \
-                __m256i v;                                                                                      \
-                if (fast32(type)) {                                                                             \
-                    v = levels32(w + i * row_bytes + c * bytes, type, &a8[i], &b8[i]);                          \
-                } else {                                                                                        \
-                    const uint8_t *bl = w + i * row_bytes + (c / 8) * bytes;                                    \
-                    if (c % 8 == 0) {                                                                           \
-                        float ta[16], tb[16];                                                                   \
-                        block_scales_k(bl, type, ta, tb);                                                       \
-                        for (int h = 0; h < 16; h++) at[h][i] = ta[h], bt[h][i] = tb[h];                        \
-                    }                                                                                           \
-                    v = levels_k(bl, type, (int)(c % 8));                                                       \
-                }                                                                                               \
+                const __m256i v = fast32(type) ? levels32(w + i * row_bytes + c * bytes, type, &a8[i], &b8[i])  \
+                                               : levels_k(w + i * row_bytes + (c / 8) * bytes, type, (int)(c % 8)); \
                 p[i] = OFF ? P32U(v, xv) : P32S(v, xv);                                                         \
             }                                                                                                   \
             __m256i lo, hi;                                                                                     \
@@ -446,14 +491,14 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc);   \
                 if (OFF) o = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[c]), o);                                 \
             } else if (GS == 32) {                                                                              \
-                const __m256 A = _mm256_loadu_ps(at[2 * (c % 8)]);                                              \
+                const __m256 A = ka[2 * (c % 8)];                                              \
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc);   \
-                if (OFF) o = _mm256_fmadd_ps(_mm256_loadu_ps(bt[2 * (c % 8)]), _mm256_set1_ps(x->xsum[c]), o);  \
+                if (OFF) o = _mm256_fmadd_ps(kb[2 * (c % 8)], _mm256_set1_ps(x->xsum[c]), o);  \
             } else {                                                                                            \
                 for (int h = 0; h < 2; h++) {                                                                   \
-                    const __m256 A = _mm256_loadu_ps(at[2 * (c % 8) + h]);                                      \
+                    const __m256 A = ka[2 * (c % 8) + h];                                      \
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h ? hi : lo), _mm256_mul_ps(A, d), acc);           \
-                    if (OFF) o = _mm256_fmadd_ps(_mm256_loadu_ps(bt[2 * (c % 8) + h]),                            \
+                    if (OFF) o = _mm256_fmadd_ps(kb[2 * (c % 8) + h],                            \
                                                  _mm256_set1_ps(x->xsum[2 * c + h]), o);                        \
                 }                                                                                               \
             }                                                                                                   \
