@@ -8,9 +8,11 @@ from ferry import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(exact_llm):
-    """Exact products: q8's rounding (the default) turns the attention kernels' batch-dependent
-    last bits into other tokens at near ties (test_a_q8_engine_parts_only_at_q8_near_ties)."""
+    """Exact products: q8's rounding (the default) turns the last bits in which a mixed step's
+    per-operation path and the fused C decode differ into other tokens at near ties
+    (test_a_q8_engine_parts_only_at_q8_near_ties)."""
     return exact_llm
+
 
 SP = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

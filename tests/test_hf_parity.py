@@ -12,6 +12,7 @@ def llm(exact_llm):
     """Exact products: transformers' results are the dequantized model's."""
     return exact_llm
 
+
 NEW_TOKENS = 64
 
 

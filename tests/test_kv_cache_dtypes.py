@@ -17,6 +17,7 @@ def llm(exact_llm):
     """Exact products: the bounds and ties below are the caches' own costs, not q8's."""
     return exact_llm
 
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 # Where the reference run's top two tokens are this close (nats), another run may pick the other
 # one: on the parity prompts one such tie, 0.0006 apart in float32, which a float16 cache flips
@@ -119,7 +120,7 @@ def test_a_rounded_cache_gives_the_same_tokens_however_requests_are_batched(pari
 
 def test_an_unknown_kv_cache_dtype_is_named():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(quant_activations="exact", kv_cache_dtype="q4")
+        LLM(kv_cache_dtype="q4")
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "q8_0"])

@@ -23,6 +23,7 @@ def llm(exact_llm):
     """Exact products, so a cached prefix must give the very same tokens."""
     return exact_llm
 
+
 BS = 4
 
 

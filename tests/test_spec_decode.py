@@ -27,6 +27,7 @@ def llm(exact_llm):
     """Exact products, so speculation must give the very same tokens."""
     return exact_llm
 
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 

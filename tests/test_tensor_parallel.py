@@ -25,6 +25,7 @@ def llm(exact_llm):
     """Exact products, so ranks must give one process's very tokens."""
     return exact_llm
 
+
 NEW_TOKENS = 48
 
 
