@@ -88,7 +88,8 @@ class EngineConfig:
     # lets oneDNN round the inputs to bfloat16 (AMX or AVX512-BF16 CPUs; float32 sums), ~3x
     # faster prefill at a small accuracy cost (README). The C kernels are float32 either way.
     fp32_matmul_precision: str = "ieee"
-    # The KV cache's element type (vLLM's flag): "auto" is the model's dtype; "bfloat16" or
+    # The KV cache's element type (vLLM's flag): "auto" is the model's dtype, float16 under q8
+    # activations (llama.cpp's default cache beside llama.cpp's products); "bfloat16" or
     # "float16" hold K/V in half the bytes (twice the tokens in the same memory, half the bytes
     # decode attention streams), rounded once as written; "q8_0" (llama.cpp's) in 8.5 bits a
     # value; accuracy cost in README.

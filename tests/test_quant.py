@@ -391,8 +391,8 @@ def test_a_q8_row_gets_the_same_bits_in_any_batch(qtype):
 
 def test_a_q8_engine_stays_close_to_the_exact_one(exact_llm, llm, parity_prompts):
     """quant_activations='q8', the default, reaches every quantized product (the fused decode too):
-    the model's next-token choices mostly agree with exact mode's, and its logprobs move little but
-    do move."""
+    the model's next-token choices mostly agree with exact mode's (whose KV cache is float32, q8's
+    float16), and its logprobs move little but do move."""
     from ferry import LLM, SamplingParams
     from ferry.bench.accuracy import compare
 
@@ -403,6 +403,10 @@ def test_a_q8_engine_stays_close_to_the_exact_one(exact_llm, llm, parity_prompts
     assert stats["top1_agreement"] > 0.9 and 0 < stats["mean_abs_logprob_diff"] < 0.2, stats
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert all(len(o.outputs[0].token_ids) == 8 for o in q8.generate(parity_prompts[:2], sp, use_tqdm=False))
+    # kv_cache_dtype 'auto': llama.cpp's float16 under its products, the model's float32 in exact mode.
+    assert q8.engine.executor.kv_caches[0][0].dtype == torch.float16
+    assert exact_llm.engine.executor.kv_caches[0][0].dtype == torch.float32
+    assert LLM(kv_cache_dtype="float32", num_kv_blocks=4).engine.executor.kv_caches[0][0].dtype == torch.float32
     with pytest.raises(ValueError, match="quant_activations must be 'exact' or 'q8'"):
         LLM(quant_activations="int4")
 

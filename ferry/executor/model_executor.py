@@ -102,6 +102,7 @@ class ModelExecutor:
         plan = ShardPlan.make(cfg, rank, world)
         comm = collectives(plan, cfg.vocab_size) if collectives is not None else None
         weights = load_weights(config, cfg, setup.model_dir)
+        q8 = any(getattr(w, "activations", None) == "q8" for w in weights.values())
         self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
         del weights
         self.model_config = cfg
@@ -110,7 +111,7 @@ class ModelExecutor:
         self.tokenizer = setup.tokenizer
         self.eos_token_ids = setup.eos_token_ids
         self.block_size = config.block_size
-        kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, dtype, q8)
         width = row_width(cfg.head_dim, kv_dtype)  # a head's values in the cache's last dimension
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         # Every rank has the same number of blocks (one scheduler, one block table), sized for the

@@ -20,9 +20,12 @@ Q8_BLOCK, Q8_BYTES = 32, 34
 _INV127 = float(np.float32(1) / np.float32(127))
 
 
-def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensor's dtype for a ``kv_cache_dtype`` setting."""
-    return {"auto": model_dtype, "q8_0": torch.uint8, **DTYPES}[name]
+def cache_dtype(name: str, model_dtype: torch.dtype, q8_activations: bool = False) -> torch.dtype:
+    """The cache tensor's dtype for a ``kv_cache_dtype`` setting. ``auto`` is the model's dtype,
+    except under q8 activations (llama.cpp's products), where it is float16, llama.cpp's cache
+    too: exact mode keeps the float32 model's results, q8 mode takes llama.cpp's speed."""
+    auto = torch.float16 if q8_activations and model_dtype == torch.float32 else model_dtype
+    return {"auto": auto, "q8_0": torch.uint8, **DTYPES}[name]
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
