@@ -88,10 +88,14 @@ static inline __attribute__((always_inline)) void one_item(
             l += s[t];
         }
         m = mx;
-        for (int64_t d = 0; d < D; d++) {
-            vf o = loadv(ot + d * V) * corr;
-            for (int t = 0; t < TK; t++) o += vb[t * D + d] * s[t];
-            memcpy(ot + d * V, &o, sizeof o);
+        /* 8 output dims at a time: 8 independent chains of TK multiply-adds, not one chain per dim
+         * (each dim's sum keeps its order over the keys, so the same bits). */
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            vf o[8];
+            for (int e = 0; e < 8; e++) o[e] = loadv(ot + (d0 + e) * V) * corr;
+            for (int t = 0; t < TK; t++)
+                for (int e = 0; e < 8; e++) o[e] += vb[t * D + d0 + e] * s[t];
+            for (int e = 0; e < 8; e++) memcpy(ot + (d0 + e) * V, &o[e], sizeof o[e]);
         }
     }
     for (int i = 0; i < V; i++) {
