@@ -127,9 +127,12 @@ def test_an_unknown_kv_cache_dtype_is_named():
 def test_tensor_parallel_ranks_hold_their_shards_in_a_smaller_dtype(parity_prompts, kv_dtype):
     prompts = parity_prompts[1:4]
     one = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype)
-    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    want = [o.outputs[0] for o in one.generate(prompts, GREEDY, use_tqdm=False)]
     two = LLM(quant_activations="exact", kv_cache_dtype=kv_dtype, tensor_parallel_size=2, num_kv_blocks=64)
     try:
-        assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
+        # The ranks' partial sums move a product's last bits, which a rounded cache can turn into
+        # the other token at a near tie (as batching can: TIES).
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+        assert_greedy_up_to_ties(want, got, TIES[kv_dtype])
     finally:
         two.close()
