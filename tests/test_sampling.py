@@ -1,6 +1,8 @@
 """Sampling features on the embedded model."""
 from __future__ import annotations
 
+import torch
+
 from ferry import SamplingParams
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -92,3 +94,19 @@ def test_outputs_keep_input_order_and_timings(llm):
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert len(m.token_times) == 5 and m.tpot is not None and m.ttft > 0
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_nan_and_inf_included():
+    """The CPU's numpy argmax picks what torch's does: the first of equal maxima, a NaN over any
+    number, the first -inf of a row of them; on any stride."""
+    from ferry.executor.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (64, 97), generator=g).float()  # many equal maxima per row
+    x[3, 50] = float("nan")
+    x[4, 7] = x[4, 90] = float("nan")
+    x[5] = float("-inf")
+    x[6, 10:] = float("inf")
+    x[7] = torch.randn(97, generator=g)
+    for rows in (x, x[:, ::2], x[1:2]):
+        assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist()
