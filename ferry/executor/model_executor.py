@@ -23,6 +23,7 @@ from ferry.model.kv_format import cache_dtype, row_width
 from ferry.model.llama import ForwardOutput, LlamaModel
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
+from ferry.model.quant import QuantWeight
 from ferry.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class ModelExecutor:
         plan = ShardPlan.make(cfg, rank, world)
         comm = collectives(plan, cfg.vocab_size) if collectives is not None else None
         weights = load_weights(config, cfg, setup.model_dir)
-        q8 = any(getattr(w, "activations", None) == "q8" for w in weights.values())
+        q8 = any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
         self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
         del weights
         self.model_config = cfg

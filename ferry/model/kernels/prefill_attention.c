@@ -88,8 +88,8 @@ static inline __attribute__((always_inline)) void one_item(
             l += s[t];
         }
         m = mx;
-        /* 8 output dims at a time: 8 independent chains of TK multiply-adds, not one chain per dim
-         * (each dim's sum keeps its order over the keys, so the same bits). */
+        /* 8 output dims at a time: 8 independent chains of TK multiply-adds, not one latency-bound
+         * chain per dim (each dim still sums the keys in order). */
         for (int64_t d0 = 0; d0 < D; d0 += 8) {
             vf o[8];
             for (int e = 0; e < 8; e++) o[e] = loadv(ot + (d0 + e) * V) * corr;
