@@ -26,6 +26,19 @@ def test_kernel_matches_reference(block_size, hq, hkv, d, kv_dtype):
     grouped and plain heads, a head size that is no multiple of the vector width, and each KV
     cache dtype (16-bit caches widened as read, q8_0 blocks dequantized: the same values torch
     reads)."""
+    compare_on_random_cache(block_size, hq, hkv, d, kv_dtype, window=None)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [5, 37, 300])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_kernel_matches_reference_with_a_window_starting_mid_block(block_size, window, kv_dtype):
+    """A sliding window's first slot lies inside a block (and a range's first slot with it)."""
+    compare_on_random_cache(block_size, 9, 3, 64, kv_dtype, window=window)
+
+
+def compare_on_random_cache(block_size: int, hq: int, hkv: int, d: int, kv_dtype, window: int | None) -> None:
+    """The kernel and the torch path on one batch of contexts, 1 to 700 slots, in scattered blocks."""
     if load_kernels() is None:
         pytest.fail("the attention kernel could not be built (no C compiler?)")
     g = torch.Generator().manual_seed(block_size)
@@ -47,8 +60,8 @@ def test_kernel_matches_reference(block_size, hq, hkv, d, kv_dtype):
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
                              decode_block_tables=table, decode_lens=torch.tensor(lens), block_size=block_size,
                              prefills=[])
-    ref = decode_attention_torch(q, k_cache, v_cache, meta, d ** -0.5)
-    got = decode_attention_kernel(q, k_cache, v_cache, meta, d ** -0.5)
+    ref = decode_attention_torch(q, k_cache, v_cache, meta, d ** -0.5, window)
+    got = decode_attention_kernel(q, k_cache, v_cache, meta, d ** -0.5, window)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

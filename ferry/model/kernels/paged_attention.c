@@ -35,20 +35,25 @@ static inline int64_t range_span(int64_t L) {
     return (s + TILE - 1) / TILE * TILE;
 }
 
-/* The K rows of slots [t0, t0 + n), and a prefetch of the next tile's K and V rows (V for the
- * second pass, which reads them while still in cache). */
-static inline __attribute__((always_inline)) void tile_rows(
-        const void *k, const void *v, const int64_t *table, int64_t t0, int64_t n, int64_t j1, int64_t block_size,
-        int64_t bytes, const char **rows_k) {
-    for (int64_t t = 0; t < n; t++)
-        rows_k[t] = (const char *)k + (table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * bytes;
-    for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < j1; j++) {
-        const int64_t off = (table[j / block_size] * block_size + j % block_size) * bytes;
+/* Byte offsets of slots [j0, j1) into a cache row array, walked block by block: no division per
+ * key (block_size is a runtime value, and a 64-bit division costs tens of cycles). */
+static inline void slot_offsets(const int64_t *table, int64_t j0, int64_t j1, int64_t block_size, int64_t bytes,
+                                int64_t *off) {
+    int64_t j = j0, blk = j0 / block_size, r = j0 % block_size;
+    for (; j < j1; blk++, r = 0)
+        for (const int64_t base = table[blk] * block_size; r < block_size && j < j1; r++, j++)
+            off[j - j0] = (base + r) * bytes;
+}
+
+/* Prefetch the K and V rows of the tile after slot t0 (V for the second pass, which reads them
+ * while still in cache). */
+static inline __attribute__((always_inline)) void prefetch_tile(
+        const void *k, const void *v, const int64_t *off, int64_t t0, int64_t n_slots, int64_t bytes) {
+    for (int64_t j = t0 + TILE; j < t0 + 2 * TILE && j < n_slots; j++)
         for (int64_t i = 0; i < bytes; i += 64) {
-            __builtin_prefetch((const char *)k + off + i);
-            __builtin_prefetch((const char *)v + off + i);
+            __builtin_prefetch((const char *)k + off[j] + i);
+            __builtin_prefetch((const char *)v + off[j] + i);
         }
-    }
 }
 
 /* Slots [j0, j1) of one request (at most RANGE), every head, in two passes: the scores of every
@@ -65,12 +70,13 @@ static inline __attribute__((always_inline)) void one_range(
         const int kv) {
     const int64_t D = NV * V, row = Hkv * D, nt = (j1 - j0 + TILE - 1) / TILE;
     float sc[Hkv * G][RANGE] __attribute__((aligned(64)));  /* scores, then their exponentials */
-    const char *rows_k[TILE];
+    int64_t off[RANGE];  /* byte offset of each slot's row */
+    slot_offsets(table, j0, j1, block_size, kv_bytes(row, kv), off);
     vi lane;
     for (int i = 0; i < V; i++) lane[i] = i;
     for (int64_t it = 0; it < nt; it++) {
         const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
-        tile_rows(k, v, table, t0, n, j1, block_size, kv_bytes(row, kv), rows_k);
+        prefetch_tile(k, v, off, t0 - j0, j1 - j0, kv_bytes(row, kv));
         for (int64_t h = 0; h < Hkv; h++) {
             vf qv[G][NV], part[G][TILE];
             for (int g = 0; g < G; g++)
@@ -80,7 +86,7 @@ static inline __attribute__((always_inline)) void one_range(
                     for (int g = 0; g < G; g++) part[g][t] = (vf){0};
                     continue;
                 }
-                const char *kt = rows_k[t] + kv_bytes(h * D, kv);
+                const char *kt = (const char *)k + off[t0 - j0 + t] + kv_bytes(h * D, kv);
                 vf kr[NV];
                 for (int i = 0; i < NV; i++) kr[i] = load_kv(kt, i * V, kv);
                 for (int g = 0; g < G; g++) {
@@ -117,8 +123,7 @@ static inline __attribute__((always_inline)) void one_range(
         for (int64_t it = 0; it < nt; it++) {
             const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
             for (int64_t t = 0; t < n; t++) {
-                const int64_t j = t0 + t;
-                const char *vt = (const char *)v + kv_bytes((table[j / block_size] * block_size + j % block_size) * row + h * D, kv);
+                const char *vt = (const char *)v + off[t0 - j0 + t] + kv_bytes(h * D, kv);
                 for (int i = 0; i < NV; i++) {
                     const vf x = load_kv(vt, i * V, kv);
                     for (int g = 0; g < G; g++) ov[g][i] += sc[h * G + g][it * TILE + t] * x;
