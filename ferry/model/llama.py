@@ -20,6 +20,7 @@ from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
 from ferry.model.kernels import kernels_usable, load_kernels
 from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
 from ferry.model.rope import apply_rope, rope_tables
+from ferry.model.row_ops import gated_act_rows, rms_norm_rows, rope_rows_
 from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shard_rows
 
 Weight = torch.Tensor | QuantWeight
@@ -277,19 +278,26 @@ class LlamaModel:
         if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
             self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
             return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
-        rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
+        # The C row operations where the kernels run (float32 on the CPU), torch's as the reference.
+        norm = (lambda t, w: rms_norm_rows(t, w, cfg.rms_norm_eps)) if kern else \
+            (lambda t, w: rms_norm(t, w, cfg.rms_norm_eps))
+        rotations = None if kern else [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            cos, sin = rotations[layer.rope]
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = norm(x, layer.input_norm)
             tick("norm")
             qkv = linear(h, layer.qkv, layer.qkv_bias, use_kernel=kern)
+            qkv = qkv.contiguous() if kern else qkv  # rows for the C rope (a transposed product's are not)
             tick("qkv")
             # q and k sit side by side in qkv: rotate them in one pass.
             qk = qkv[:, :self.q_size + self.kv_size].view(T, hq + hkv, hd)
             if layer.q_norm is not None:
                 qk = torch.cat([rms_norm(qk[:, :hq], layer.q_norm, cfg.rms_norm_eps),
                                 rms_norm(qk[:, hq:], layer.k_norm, cfg.rms_norm_eps)], dim=1)
-            qk = apply_rope(qk, cos, sin)
+            if kern:  # in place: on qkv's rows, or on the normed copy's
+                rope_rows_(qkv if layer.q_norm is None else qk.view(T, -1), hq + hkv, hd, *self.ropes[layer.rope],
+                           positions)
+            else:
+                qk = apply_rope(qk, *rotations[layer.rope])
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, hkv, hd)
             tick("rope")
@@ -297,22 +305,26 @@ class LlamaModel:
             tick("attention")
             o = linear(o, layer.o_proj, use_kernel=kern)
             o = o if comm is None else comm.all_reduce(o)
-            x = x + (o if layer.attn_out_norm is None else rms_norm(o, layer.attn_out_norm, cfg.rms_norm_eps))
+            x = x + (o if layer.attn_out_norm is None else norm(o, layer.attn_out_norm))
             tick("o_proj")
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            h = norm(x, layer.post_norm)
             tick("norm")
             if layer.router is not None:
                 h = moe(h, layer, cfg.experts_per_token, cfg.norm_topk_prob, self.act, kern)
                 h = h if comm is None else comm.all_reduce(h)  # each rank ran its slice of every expert
                 tick("experts")
             else:
-                gate, up = linear(h, layer.gate_up, use_kernel=kern).chunk(2, dim=-1)
+                gate_up = linear(h, layer.gate_up, use_kernel=kern)
                 tick("gate_up")
-                h = self.act(gate) * up
+                if kern:
+                    h = gated_act_rows(gate_up, self.cfg.hidden_act == "gelu_tanh")
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    h = self.act(gate) * up
                 tick("act")
                 h = linear(h, layer.down, use_kernel=kern)
                 h = h if comm is None else comm.all_reduce(h)
-            x = x + (h if layer.mlp_out_norm is None else rms_norm(h, layer.mlp_out_norm, cfg.rms_norm_eps))
+            x = x + (h if layer.mlp_out_norm is None else norm(h, layer.mlp_out_norm))
             tick("down")
         return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
 

@@ -23,8 +23,8 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
-                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h", "quant_q8.h", "q8_levels.h")]
+                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c", "row_ops.c")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h", "quant_q8.h", "q8_levels.h", "row_ops.h")]
 # FERRY_KERNEL_ARCH picks the target (e.g. "haswell": AVX2+FMA, no AVX-512), to build and measure
 # what most users' CPUs run on a machine that has more.
 ARCH = f"-march={os.environ.get('FERRY_KERNEL_ARCH', 'native')}"
@@ -110,6 +110,12 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_type_row.restype = i64
     so.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64] + [ptr] * 4 + [i64] + [ptr] * 3 + [i64, ptr]
     so.decode_layers.restype = None
+    so.rms_norm_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32]
+    so.rms_norm_rows.restype = None
+    so.rope_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64]
+    so.rope_rows.restype = None
+    so.gated_act_rows.argtypes = [ptr, ptr, i64, i64, i64]
+    so.gated_act_rows.restype = None
     if "FERRY_KERNEL_ARCH" in os.environ:
         so.quant_q8_isa(_arch_q8_isa(cc))
     return so

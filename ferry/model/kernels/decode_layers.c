@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "kv_types.h"
+#include "row_ops.h"
 
 void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K);
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
@@ -52,29 +53,6 @@ static double now(void) {
 static void matmul(const float *x, const void *w, int64_t type, float *y, int64_t M, int64_t N, int64_t K) {
     if (type < 0) skinny_gemm(x, (const float *)w, y, M, N, K);
     else quant_gemm(x, (const uint8_t *)w, y, M, N, K, type);
-}
-
-static void rms_norm(const float *x, const float *w, float *out, int64_t B, int64_t H, float eps) {
-    for (int64_t b = 0; b < B; b++) {
-        const float *xb = x + b * H;
-        float ss = 0.f;
-        for (int64_t i = 0; i < H; i++) ss += xb[i] * xb[i];
-        const float r = 1.f / sqrtf(ss / H + eps);
-        for (int64_t i = 0; i < H; i++) out[b * H + i] = xb[i] * r * w[i];
-    }
-}
-
-/* Hugging Face's half-split rope on each head of a row: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
-static void rope(float *v, int64_t heads, int64_t D, const float *c, const float *s) {
-    const int64_t half = D / 2;
-    for (int64_t h = 0; h < heads; h++) {
-        float *x = v + h * D;
-        for (int64_t i = 0; i < half; i++) {
-            const float x1 = x[i], x2 = x[i + half];
-            x[i] = x1 * c[i] - x2 * s[i];
-            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-        }
-    }
 }
 
 /* part < 0: every layer, each output added to the residual stream x. A tensor-parallel rank runs
@@ -133,13 +111,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
         LAP(T_NORM);
         matmul(h, L->gate_up, L->gate_up_type, gu, B, 2 * I, H);
         LAP(T_GATE_UP);
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < I; i++) {
-                const float g = gu[b * 2 * I + i];
-                const float a = d->gelu ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
-                                        : g / (1.f + expf(-g));
-                act[b * I + i] = a * gu[b * 2 * I + I + i];
-            }
+        for (int64_t b = 0; b < B; b++) gated_act(gu + b * 2 * I, act + b * I, I, d->gelu);
         LAP(T_ACT);
         if (part == 1) {
             matmul(act, L->down, L->down_type, out, B, H, I);
