@@ -131,8 +131,10 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     return y if bias is None else y + bias
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_kernel: bool = False) -> torch.Tensor:
     # Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale.
+    if use_kernel and x.dim() == 2 and x.dtype == torch.float32:
+        return rms_norm_rows(x, weight, eps)  # the C rows, one pass each
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel
     xf = x.float()
@@ -278,12 +280,12 @@ class LlamaModel:
         if self.fused is not None and kern and meta.num_decodes == T <= FUSED_DECODE_ROWS:
             self.fused.run(x, positions, meta, kv_caches, self.cos, self.sin, prof)
             return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
-        # The C row operations where the kernels run (float32 on the CPU), torch's as the reference.
-        norm = (lambda t, w: rms_norm_rows(t, w, cfg.rms_norm_eps)) if kern else \
-            (lambda t, w: rms_norm(t, w, cfg.rms_norm_eps))
+        eps = cfg.rms_norm_eps
+        # Where the kernels run (float32 on the CPU) norm, rope and the activation are C row
+        # operations (ferry.model.row_ops); torch's stay the reference.
         rotations = None if kern else [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = norm(x, layer.input_norm)
+            h = rms_norm(x, layer.input_norm, eps, kern)
             tick("norm")
             qkv = linear(h, layer.qkv, layer.qkv_bias, use_kernel=kern)
             qkv = qkv.contiguous() if kern else qkv  # rows for the C rope (a transposed product's are not)
@@ -305,9 +307,9 @@ class LlamaModel:
             tick("attention")
             o = linear(o, layer.o_proj, use_kernel=kern)
             o = o if comm is None else comm.all_reduce(o)
-            x = x + (o if layer.attn_out_norm is None else norm(o, layer.attn_out_norm))
+            x = x + (o if layer.attn_out_norm is None else rms_norm(o, layer.attn_out_norm, eps, kern))
             tick("o_proj")
-            h = norm(x, layer.post_norm)
+            h = rms_norm(x, layer.post_norm, eps, kern)
             tick("norm")
             if layer.router is not None:
                 h = moe(h, layer, cfg.experts_per_token, cfg.norm_topk_prob, self.act, kern)
@@ -324,7 +326,7 @@ class LlamaModel:
                 tick("act")
                 h = linear(h, layer.down, use_kernel=kern)
                 h = h if comm is None else comm.all_reduce(h)
-            x = x + (h if layer.mlp_out_norm is None else norm(h, layer.mlp_out_norm))
+            x = x + (h if layer.mlp_out_norm is None else rms_norm(h, layer.mlp_out_norm, eps, kern))
             tick("down")
         return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
 
