@@ -474,6 +474,7 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
 #define P32S_AVX512VNNI(v, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(v), _mm256_sign_epi8(x, v))
 #define P32U_AVX512VNNI(v, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, x)
 
+#define SPAN 16 /* 32-chunks per pass of direct8 (a multiple of 8: whole K-quant super-blocks) */
 #define DIRECT8(name, isa, P32S, P32U)                                                                          \
     __attribute__((target(isa), always_inline)) static inline void name##_of(                                   \
             const uint8_t *w, int64_t row_bytes, const int64_t type, const xrows_t *x, float *y, int nr) {       \
@@ -482,35 +483,41 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
         __m256 acc = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                              \
         __m256 ka[16], kb[16];                                                                                  \
         float a8[8], b8[8];                                                                                     \
-        for (int64_t c = 0; c < nc; c++) {                                                                      \
-            prefetch_part(w + 2 * 8 * row_bytes, 8 * row_bytes, c, nc); /* two groups of 8 rows ahead */        \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));                            \
-            __m256i p[8];                                                                                       \
-            if (!fast32(type) && c % 8 == 0) kscales8(w + (c / 8) * bytes, row_bytes, nr, type, ka, kb);               \
-            for (int i = 0; i < 8; i++) {                                                                       \
-                if (i >= nr) { p[i] = _mm256_setzero_si256(); continue; }                                      \
-                const __m256i v = fast32(type) ? levels32(w + i * row_bytes + c * bytes, type, &a8[i], &b8[i])  \
-                                               : levels_k(w + i * row_bytes + (c / 8) * bytes, type, (int)(c % 8)); \
-                p[i] = OFF ? P32U(v, xv) : P32S(v, xv);                                                         \
-            }                                                                                                   \
-            __m256i lo, hi;                                                                                     \
-            sum8(p, &lo, &hi);                                                                                  \
-            const __m256 d = _mm256_set1_ps(x->dx[c]);                                                          \
-            if (fast32(type)) {                                                                                 \
-                __m256 A, B;                                                                                    \
-                scales8(w + c * bytes, row_bytes, nr, &A, &B);                                                  \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc);   \
-                if (OFF) o = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[c]), o);                                 \
-            } else if (GS == 32) {                                                                              \
-                const __m256 A = ka[2 * (c % 8)];                                              \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc);   \
-                if (OFF) o = _mm256_fmadd_ps(kb[2 * (c % 8)], _mm256_set1_ps(x->xsum[c]), o);  \
-            } else {                                                                                            \
-                for (int h = 0; h < 2; h++) {                                                                   \
-                    const __m256 A = ka[2 * (c % 8) + h];                                      \
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h ? hi : lo), _mm256_mul_ps(A, d), acc);           \
-                    if (OFF) o = _mm256_fmadd_ps(kb[2 * (c % 8) + h],                            \
-                                                 _mm256_set1_ps(x->xsum[2 * c + h]), o);                        \
+        for (int64_t c0 = 0; c0 < nc; c0 += SPAN) {                                                             \
+            const int64_t ce = c0 + SPAN < nc ? c0 + SPAN : nc;                                                 \
+            __m256i P[SPAN][8];                                                                                 \
+            /* row by row over the span, so the weights are read in address order, which the hardware */   \
+            /* prefetcher follows from DRAM (8 rows a chunk at a time it did not: 12% slower steps) */    \
+            for (int i = 0; i < 8; i++)                                                                         \
+                for (int64_t c = c0; c < ce; c++) {                                                             \
+                    if (i >= nr) { P[c - c0][i] = _mm256_setzero_si256(); continue; }                           \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));                    \
+                    const __m256i v = fast32(type) ? levels32(w + i * row_bytes + c * bytes, type, &a8[i], &b8[i]) \
+                                                   : levels_k(w + i * row_bytes + (c / 8) * bytes, type, (int)(c % 8)); \
+                    P[c - c0][i] = OFF ? P32U(v, xv) : P32S(v, xv);                                             \
+                }                                                                                               \
+            for (int64_t c = c0; c < ce; c++) {                                                                 \
+                prefetch_part(w + 2 * 8 * row_bytes, 8 * row_bytes, c, nc); /* two groups of 8 rows ahead */    \
+                if (!fast32(type) && c % 8 == 0) kscales8(w + (c / 8) * bytes, row_bytes, nr, type, ka, kb);   \
+                __m256i lo, hi;                                                                                 \
+                sum8(P[c - c0], &lo, &hi);                                                                      \
+                const __m256 d = _mm256_set1_ps(x->dx[c]);                                                      \
+                if (fast32(type)) {                                                                             \
+                    __m256 A, B;                                                                                \
+                    scales8(w + c * bytes, row_bytes, nr, &A, &B);                                              \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc); \
+                    if (OFF) o = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[c]), o);                             \
+                } else if (GS == 32) {                                                                          \
+                    const __m256 A = ka[2 * (c % 8)];                                          \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc); \
+                    if (OFF) o = _mm256_fmadd_ps(kb[2 * (c % 8)], _mm256_set1_ps(x->xsum[c]), o); \
+                } else {                                                                                        \
+                    for (int h = 0; h < 2; h++) {                                                               \
+                        const __m256 A = ka[2 * (c % 8) + h];                                  \
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h ? hi : lo), _mm256_mul_ps(A, d), acc);       \
+                        if (OFF) o = _mm256_fmadd_ps(kb[2 * (c % 8) + h],                        \
+                                                     _mm256_set1_ps(x->xsum[2 * c + h]), o);                    \
+                    }                                                                                           \
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
