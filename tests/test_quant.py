@@ -8,8 +8,8 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import KERNEL_ROWS, QUANT_TYPES, QuantWeight, cat_rows, check_kernel_types, dequantize, \
-    load_gguf_weights, quant_linear, repack
+from ferry.model.quant import ACTIVATION_MODES, KERNEL_ROWS, QUANT_TYPES, QuantWeight, RowStack, cat_rows, \
+    check_kernel_types, dequantize, load_gguf_weights, quant_linear, repack
 
 # Where each type's float16 scales sit in its block (ggml's block layouts): random bytes elsewhere
 # are valid quants and sub-scales, random bytes here could be NaN.
@@ -86,8 +86,19 @@ def test_fused_rows_stack_like_their_parts():
     both = cat_rows([a, b])
     assert isinstance(both, QuantWeight) and both.shape == (48, 64)
     assert torch.equal(dequantize(both), torch.cat([dequantize(a), dequantize(b)]))
-    mixed = cat_rows([a, c])  # different types: float32
-    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([dequantize(a), dequantize(c)]))
+    mixed = cat_rows([a, b, c])  # different types: a stack of runs, each kept in its blocks
+    assert isinstance(mixed, RowStack) and [p.qtype for p in mixed.parts] == ["Q4_1", "Q8_0"]
+    assert mixed.shape == (56, 64) and mixed.nbytes == a.nbytes + b.nbytes + c.nbytes
+    assert torch.equal(dequantize(mixed), torch.cat([dequantize(a), dequantize(b), dequantize(c)]))
+    x = torch.randn(3, 64)
+    for mode in ACTIVATION_MODES:
+        for w in (a, b, c):
+            w.activations = mode
+        stack = cat_rows([a, b, c])
+        parts = torch.cat([quant_linear(x, a), quant_linear(x, b), quant_linear(x, c)], dim=1)
+        assert torch.equal(quant_linear(x, stack), parts)
+    floats = cat_rows([a, torch.zeros(8, 64)])  # a float part: float32
+    assert isinstance(floats, torch.Tensor) and torch.equal(floats[:40], dequantize(a))
 
 
 def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
@@ -219,10 +230,12 @@ def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
 
 # Per layer of a two-layer cut of the embedded model, the types of its tensors (one type for q,
 # k and v, and for gate and up, so the fused products stay quantized), like a Q4_K_M mix.
-MIXED = [{"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q8_0",
+# Layer 0's attn_v is Q8_0 beside Q5_0 q and k, as llama.cpp's Q4_K_M writes it (a stack of two
+# types); layer 1's gate and up differ too.
+MIXED = [{"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_1", "ffn_gate": "Q8_0",
           "ffn_up": "Q8_0", "ffn_down": "Q6_K"},
          {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "IQ4_NL", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
-          "ffn_up": "Q4_1", "ffn_down": "Q4_K"}]
+          "ffn_up": "Q5_0", "ffn_down": "Q4_K"}]
 
 
 def write_mixed_gguf(path) -> None:
@@ -277,13 +290,20 @@ def test_a_mixed_file_generates_as_its_dequantized_copy(tmp_path, monkeypatch, p
     quant = LLM(model=str(path), quant_activations="exact")
     layers = quant.engine.executor.model.layers
     kinds = [(l.qkv.qtype, l.o_proj.qtype, l.gate_up.qtype, l.down.qtype) for l in layers]
-    assert kinds == [(m["attn_q"], m["attn_output"], m["ffn_gate"], m["ffn_down"]) for m in MIXED]
+    def stacked(*types: str) -> str:
+        return "+".join(t for i, t in enumerate(types) if i == 0 or t != types[i - 1])
+    assert kinds == [(stacked(m["attn_q"], m["attn_k"], m["attn_v"]), m["attn_output"],
+                      stacked(m["ffn_gate"], m["ffn_up"]), m["ffn_down"]) for m in MIXED]
     floats = LLM(model=str(path), quantization="none")
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = parity_prompts[:4]
     a = [o.outputs[0].token_ids for o in quant.generate(prompts, sp, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in floats.generate(prompts, sp, use_tqdm=False)]
     assert a == b and len({tuple(t) for t in a}) > 1
+    # One request alone: the fused decode's one-row products, a stack's parts into their columns.
+    one = [quant.generate(prompts[:1], sp, use_tqdm=False)[0].outputs[0].token_ids,
+           floats.generate(prompts[:1], sp, use_tqdm=False)[0].outputs[0].token_ids]
+    assert one[0] == one[1]
 
 
 def test_k_quant_shards_cut_on_super_blocks():

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ferry.model.quant import QuantWeight, dequantize, quant_linear
+from ferry.model.quant import QuantWeight, RowStack, dequantize, quant_linear
 
 # (name, weight name pattern); the layer's fused products are built as the model builds them.
 SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -58,7 +58,7 @@ def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
     for numpy_pass in (False, True):
         for name in SHAPES:
             quant = _weights(name, model.layers, model.lm_head)
-            if not isinstance(quant[0], QuantWeight):
+            if not isinstance(quant[0], (QuantWeight, RowStack)):
                 raise ValueError("bench kernels needs the quantized model (quantization='gguf')")
             floats = [dequantize(w) for w in quant]
             arrays = [f.numpy() for f in floats]

@@ -19,7 +19,7 @@ from ferry.model.attention import AttentionMetadata
 from ferry.model.kv_format import KV_KINDS
 from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import QuantWeight
+from ferry.model.quant import QuantWeight, RowStack
 
 # Up to this many decodes the fused path wins (measured with --profile on the embedded model).
 FUSED_DECODE_ROWS = 32
@@ -33,7 +33,12 @@ class _Layer(ctypes.Structure):
     _fields_ = [(n, _p) for n in ("input_norm", "post_norm", "qkv_bias", "qkv", "o_proj", "gate_up", "down")] \
         + [(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")] \
         + [("k_cache", _p), ("v_cache", _p), ("window", _i64)] \
-        + [(n, _p) for n in ("q_norm", "k_norm", "cos", "sin", "attn_out_norm", "mlp_out_norm")]
+        + [(n, _p) for n in ("q_norm", "k_norm", "cos", "sin", "attn_out_norm", "mlp_out_norm")] \
+        + [("qkv_parts", _p), ("gate_up_parts", _p), ("n_qkv_parts", _i64), ("n_gate_up_parts", _i64)]
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("w", _p), ("type", _i64), ("rows", _i64)]
 
 
 class _Dims(ctypes.Structure):
@@ -42,7 +47,16 @@ class _Dims(ctypes.Structure):
 
 
 def _ptr_type(w: Any) -> tuple[int, int]:
+    if isinstance(w, RowStack):
+        return 0, -1  # the parts say (_parts)
     return (w.data.data_ptr(), w.kernel_type) if isinstance(w, QuantWeight) else (w.data_ptr(), -1)
+
+
+def _parts(w: Any) -> tuple[Any, int]:
+    """A RowStack's parts as the C side reads them (None, 0 for one weight)."""
+    if not isinstance(w, RowStack):
+        return None, 0
+    return (_Part * len(w.parts))(*[(p.data.data_ptr(), p.kernel_type, p.shape[0]) for p in w.parts]), len(w.parts)
 
 
 class FusedDecode:
@@ -68,10 +82,16 @@ class FusedDecode:
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if self._caches is not kv_caches:  # the executor's caches live as long as it does
             table = (_Layer * len(self.layers))()
+            self._keep: list[Any] = []  # the parts' arrays, alive while the table points at them
             for t, layer, (k, v) in zip(table, self.layers, kv_caches):
                 t.input_norm, t.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
                 t.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
                 t.qkv, t.qkv_type = _ptr_type(layer.qkv)
+                qkv_parts, t.n_qkv_parts = _parts(layer.qkv)
+                gate_up_parts, t.n_gate_up_parts = _parts(layer.gate_up)
+                t.qkv_parts = None if qkv_parts is None else ctypes.addressof(qkv_parts)
+                t.gate_up_parts = None if gate_up_parts is None else ctypes.addressof(gate_up_parts)
+                self._keep += [qkv_parts, gate_up_parts]
                 t.o_proj, t.o_type = _ptr_type(layer.o_proj)
                 t.gate_up, t.gate_up_type = _ptr_type(layer.gate_up)
                 t.down, t.down_type = _ptr_type(layer.down)

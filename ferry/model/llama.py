@@ -18,12 +18,12 @@ from ferry.model.attention import AttentionMetadata, paged_attention
 from ferry.model.config import ModelConfig
 from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
 from ferry.model.kernels import kernels_usable, load_kernels
-from ferry.model.quant import QuantWeight, cat_rows, dequantize, quant_linear
+from ferry.model.quant import QuantWeight, RowStack, cat_rows, dequantize, quant_linear
 from ferry.model.rope import apply_rope, rope_tables
 from ferry.model.row_ops import gated_act_rows, rms_norm_rows, rope_rows_
 from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shard_rows
 
-Weight = torch.Tensor | QuantWeight
+Weight = torch.Tensor | QuantWeight | RowStack
 
 
 @dataclass
@@ -120,7 +120,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
     Quantized weights: ``quant_linear`` (which picks its own path).
     """
     m = x.shape[0]
-    if isinstance(w, QuantWeight):
+    if isinstance(w, (QuantWeight, RowStack)):
         y = quant_linear(x, w)
     elif use_kernel and m <= KERNEL_ROWS:
         y = skinny_linear(x, w)

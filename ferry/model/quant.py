@@ -101,6 +101,28 @@ class QuantWeight:
         return self.data.numel()
 
 
+@dataclass
+class RowStack:
+    """Quantized weights of different types stacked along the output dimension (a Q4_K_M file's
+    fused qkv: Q5_0 q and k beside a Q8_0 v), each kept in its own blocks; a product runs part by
+    part into its columns of the output."""
+
+    parts: list[QuantWeight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def qtype(self) -> str:
+        """The parts' types in order, e.g. ``Q5_0+Q8_0``."""
+        return "+".join(p.qtype for p in self.parts)
+
+
 def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     """A [N, K] tensor's GGUF blocks (bytes, row-major) as a QuantWeight, kept as they are."""
     t = QUANT_TYPES[qtype]
@@ -111,8 +133,11 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     return QuantWeight(torch.from_numpy(data.copy()), qtype, shape)
 
 
-def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(w: QuantWeight | RowStack, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 rows of ``w`` (all of them, or those in ``rows``: embedding lookups)."""
+    if isinstance(w, RowStack):
+        whole = torch.cat([dequantize(p) for p in w.parts])
+        return whole if rows is None else whole[rows.to(torch.int64)]
     n = w.shape[0] if rows is None else rows.numel()
     out = torch.empty(n, w.shape[1], dtype=torch.float32)
     ids = None if rows is None else rows.to(torch.int64).contiguous()
@@ -121,9 +146,11 @@ def dequantize(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantWeight | RowStack) -> torch.Tensor:
     """x [M, K] float32 @ dequant(w).T -> [M, N]: q8 weights through the integer kernels at any M
     (faster than dequantize-then-BLAS there too, measured), exact ones as the module says."""
+    if isinstance(w, RowStack):
+        return torch.cat([quant_linear(x, p) for p in w.parts], dim=1)
     x = x.contiguous()
     m, (n, k) = x.shape[0], w.shape
     lib = _kernels()
@@ -166,11 +193,20 @@ def q8_isa(name: str | None = None) -> str:
     return Q8_ISAS[got]
 
 
-def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
-    """Stack weights along the output dimension (fused qkv, gate+up); float32 if the types differ."""
-    if all(isinstance(w, QuantWeight) for w in ws) and len({w.kernel_type for w in ws}) == 1:
-        return QuantWeight(torch.cat([w.data for w in ws]).contiguous(), ws[0].qtype,
-                           (sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].activations)
+def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight | RowStack:
+    """Stack weights along the output dimension (fused qkv, gate+up): one QuantWeight where they
+    share a type, a RowStack of runs of one type where quantized types differ (kept in their blocks:
+    a float32 copy would be 5-8x their size), float32 when some are float."""
+    if all(isinstance(w, QuantWeight) for w in ws):
+        runs: list[list[QuantWeight]] = []
+        for w in ws:
+            if runs and runs[-1][0].kernel_type == w.kernel_type:
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        parts = [QuantWeight(torch.cat([w.data for w in run]).contiguous(), run[0].qtype,
+                             (sum(w.shape[0] for w in run), run[0].shape[1]), run[0].activations) for run in runs]
+        return parts[0] if len(parts) == 1 else RowStack(parts)
     return torch.cat([dequantize(w) if isinstance(w, QuantWeight) else w for w in ws]).contiguous()
 
 

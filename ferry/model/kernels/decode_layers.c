@@ -23,6 +23,12 @@ void paged_decode_attention(const float *q, const void *k, const void *v, const 
                             const int64_t *lens, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                             int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv);
 
+/* One run of rows of one type in a stack of weights (ferry.model.quant.RowStack). */
+typedef struct {
+    const void *w;
+    int64_t type, rows;
+} wpart_t;
+
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias;
     const void *qkv, *o_proj, *gate_up, *down;
@@ -32,6 +38,8 @@ typedef struct {
     const float *q_norm, *k_norm;                      /* per-head RMS norm weights before rope, or NULL */
     const float *cos, *sin;                            /* this layer's rope tables [positions, D] */
     const float *attn_out_norm, *mlp_out_norm;         /* norms of the two outputs (Gemma), or NULL */
+    const wpart_t *qkv_parts, *gate_up_parts;          /* stacks of types, or NULL: qkv, gate_up */
+    int64_t n_qkv_parts, n_gate_up_parts;
 } layer_t;
 
 typedef struct {
@@ -55,6 +63,26 @@ static void matmul(const float *x, const void *w, int64_t type, float *y, int64_
     else quant_gemm(x, (const uint8_t *)w, y, M, N, K, type);
 }
 
+/* y[M, N] = x @ w^T, or with parts (n > 0) each part's product into its columns of y. */
+static void matmul_stack(const float *x, const void *w, int64_t type, const wpart_t *parts, int64_t n, float *y,
+                         int64_t M, int64_t N, int64_t K) {
+    if (n == 0) {
+        matmul(x, w, type, y, M, N, K);
+        return;
+    }
+    float *tmp = M > 1 ? malloc(sizeof(float) * M * N) : NULL;
+    for (int64_t i = 0, r0 = 0; i < n; r0 += parts[i].rows, i++) {
+        const int64_t rows = parts[i].rows;
+        if (M == 1) {
+            matmul(x, parts[i].w, parts[i].type, y + r0, 1, rows, K);
+            continue;
+        }
+        matmul(x, parts[i].w, parts[i].type, tmp, M, rows, K);
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * N + r0, tmp + m * rows, sizeof(float) * rows);
+    }
+    free(tmp);
+}
+
 /* part < 0: every layer, each output added to the residual stream x. A tensor-parallel rank runs
  * one layer's half at a time (part 0: attention to the o product, 1: the MLP) into out, its partial
  * sum, which the ranks all-reduce before it joins x (the caller adds it, normed where the layer says). */
@@ -75,7 +103,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
         if (part == 1) goto mlp;
         rms_norm(x, L->input_norm, h, B, H, d->eps);
         LAP(T_NORM);
-        matmul(h, L->qkv, L->qkv_type, qkv, B, nqkv, H);
+        matmul_stack(h, L->qkv, L->qkv_type, L->qkv_parts, L->n_qkv_parts, qkv, B, nqkv, H);
         if (L->qkv_bias)
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = 0; i < nqkv; i++) qkv[b * nqkv + i] += L->qkv_bias[i];
@@ -109,7 +137,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
     mlp:
         rms_norm(x, L->post_norm, h, B, H, d->eps);
         LAP(T_NORM);
-        matmul(h, L->gate_up, L->gate_up_type, gu, B, 2 * I, H);
+        matmul_stack(h, L->gate_up, L->gate_up_type, L->gate_up_parts, L->n_gate_up_parts, gu, B, 2 * I, H);
         LAP(T_GATE_UP);
         for (int64_t b = 0; b < B; b++) gated_act(gu + b * 2 * I, act + b * I, I, d->gelu);
         LAP(T_ACT);
