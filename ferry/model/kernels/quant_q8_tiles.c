@@ -33,6 +33,7 @@ typedef struct {
     uint8_t *u;  /* [M][K] levels + 128: dpbusd's unsigned operand */
     float *dx;   /* [M][K / 32] block scales */
     float *xsum; /* [M][K / gs] scale times the group's levels' sum */
+    int32_t *bsum; /* [M][K / 32] each block's levels' sum (for the shifted levels of direct8) */
     int64_t K, nb, ng;
 } xrows_t;
 
@@ -46,7 +47,7 @@ static inline int32_t dword_at(const void *p) {
 }
 
 /* want_u: dpbusd on unsigned activations (VNNI variants, types without offsets); want_sum: the
- * offset types' xsum. */
+ * offset types' xsum and every type's bsum. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
                           xrows_t *r) {
     r->K = K, r->nb = K / 32, r->ng = K / gs;
@@ -54,6 +55,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int port
     r->u = malloc((size_t)(M * K));
     r->dx = malloc(sizeof(float) * (size_t)(M * r->nb));
     r->xsum = malloc(sizeof(float) * (size_t)(M * r->ng));
+    r->bsum = malloc(sizeof(int32_t) * (size_t)(M * r->nb));
     #pragma omp parallel for schedule(static) if (M > 4)
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = r->q + m * K;
@@ -65,10 +67,15 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int port
             for (int i = 0; i < gs; i++) s += q[g * gs + i];
             r->xsum[m * r->ng + g] = r->dx[m * r->nb + g * gs / 32] * (float)s;
         }
+        for (int64_t blk = 0; want_sum && blk < r->nb; blk++) {
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += q[blk * 32 + i];
+            r->bsum[m * r->nb + blk] = s;
+        }
     }
 }
 
-static void free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); }
+static void free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); free(r->bsum); }
 
 /* The order above, one weight row and one activation row at a time. */
 static void rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y,
@@ -475,11 +482,19 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
 #define P32U_AVX512VNNI(v, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, x)
 
 #define SPAN 16 /* 32-chunks per pass of direct8 (a multiple of 8: whole K-quant super-blocks) */
+
+/* Q4_0 and Q5_0 levels plus 8 and 16 (0..15, 0..31): never negative, so direct8 multiplies them as
+ * the offset types' (no sign pair) and takes the shift times the block's activation sum back from
+ * the integer sum, which is exact: the same isum, so the same bits. 0 for the other types. */
+static inline int level_shift(int64_t type) { return type == QT_Q4_0 ? 8 : type == QT_Q5_0 ? 16 : 0; }
+__attribute__((target("avx2"), always_inline)) static inline __m256i shifted_levels32(const uint8_t *bl, int64_t type) {
+    return type == QT_Q4_0 ? nibbles(bl + 2, 0) : _mm256_or_si256(nibbles(bl + 6, 0), fifth_bits(bl + 2));
+}
 #define DIRECT8(name, isa, P32S, P32U)                                                                          \
     __attribute__((target(isa), always_inline)) static inline void name##_of(                                   \
             const uint8_t *w, int64_t row_bytes, const int64_t type, const xrows_t *x, float *y, int nr) {       \
         const int64_t nc = x->K / 32, bytes = qt_bytes(type);                                                   \
-        const int GS = group_size(type), OFF = q8_has_offset(type);                                             \
+        const int GS = group_size(type), OFF = q8_has_offset(type), SHIFT = level_shift(type);                  \
         __m256 acc = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                              \
         __m256 ka[16], kb[16];                                                                                  \
         float a8[8], b8[8];                                                                                     \
@@ -492,8 +507,10 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
                 for (int64_t c = c0; c < ce; c++) {                                                             \
                     if (i >= nr) { P[c - c0][i] = _mm256_setzero_si256(); continue; }                           \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + 32 * c));                    \
-                    const __m256i v = fast32(type) ? levels32(w + i * row_bytes + c * bytes, type, &a8[i], &b8[i]) \
-                                                   : levels_k(w + i * row_bytes + (c / 8) * bytes, type, (int)(c % 8)); \
+                    const uint8_t *bl = w + i * row_bytes;                                                      \
+                    if (SHIFT) { P[c - c0][i] = P32U(shifted_levels32(bl + c * bytes, type), xv); continue; }   \
+                    const __m256i v = fast32(type) ? levels32(bl + c * bytes, type, &a8[i], &b8[i])             \
+                                                   : levels_k(bl + (c / 8) * bytes, type, (int)(c % 8));        \
                     P[c - c0][i] = OFF ? P32U(v, xv) : P32S(v, xv);                                             \
                 }                                                                                               \
             for (int64_t c = c0; c < ce; c++) {                                                                 \
@@ -505,7 +522,9 @@ __attribute__((target("avx2"), always_inline)) static inline void sum8(const __m
                 if (fast32(type)) {                                                                             \
                     __m256 A, B;                                                                                \
                     scales8(w + c * bytes, row_bytes, nr, &A, &B);                                              \
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(A, d), acc); \
+                    __m256i is = _mm256_add_epi32(lo, hi);                                                      \
+                    if (SHIFT) is = _mm256_sub_epi32(is, _mm256_set1_epi32(SHIFT * x->bsum[c]));                \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(A, d), acc);                    \
                     if (OFF) o = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[c]), o);                             \
                 } else if (GS == 32) {                                                                          \
                     const __m256 A = ka[2 * (c % 8)];                                          \
@@ -558,7 +577,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     if (M == 0) return;
     const int vnni = isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI;
     xrows_t xr;
-    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, &xr);
+    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset || (M == 1 && level_shift(type)), &xr);
     if (isa == ISA_PORTABLE) {
         rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
         free_rows(&xr);
