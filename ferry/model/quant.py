@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -198,12 +199,7 @@ def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight
     share a type, a RowStack of runs of one type where quantized types differ (kept in their blocks:
     a float32 copy would be 5-8x their size), float32 when some are float."""
     if all(isinstance(w, QuantWeight) for w in ws):
-        runs: list[list[QuantWeight]] = []
-        for w in ws:
-            if runs and runs[-1][0].kernel_type == w.kernel_type:
-                runs[-1].append(w)
-            else:
-                runs.append([w])
+        runs = [list(run) for _, run in groupby(ws, key=lambda w: w.kernel_type)]
         parts = [QuantWeight(torch.cat([w.data for w in run]).contiguous(), run[0].qtype,
                              (sum(w.shape[0] for w in run), run[0].shape[1]), run[0].activations) for run in runs]
         return parts[0] if len(parts) == 1 else RowStack(parts)

@@ -47,15 +47,15 @@ static inline int32_t dword_at(const void *p) {
 }
 
 /* want_u: dpbusd on unsigned activations (VNNI variants, types without offsets); want_sum: the
- * offset types' xsum and every type's bsum. */
+ * offset types' xsum; want_bsum: direct8's shifted types' bsum. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
-                          xrows_t *r) {
+                          int want_bsum, xrows_t *r) {
     r->K = K, r->nb = K / 32, r->ng = K / gs;
     r->q = malloc((size_t)(M * K));
     r->u = malloc((size_t)(M * K));
     r->dx = malloc(sizeof(float) * (size_t)(M * r->nb));
     r->xsum = malloc(sizeof(float) * (size_t)(M * r->ng));
-    r->bsum = malloc(sizeof(int32_t) * (size_t)(M * r->nb));
+    r->bsum = want_bsum ? malloc(sizeof(int32_t) * (size_t)(M * r->nb)) : NULL;
     #pragma omp parallel for schedule(static) if (M > 4)
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = r->q + m * K;
@@ -67,7 +67,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int port
             for (int i = 0; i < gs; i++) s += q[g * gs + i];
             r->xsum[m * r->ng + g] = r->dx[m * r->nb + g * gs / 32] * (float)s;
         }
-        for (int64_t blk = 0; want_sum && blk < r->nb; blk++) {
+        for (int64_t blk = 0; want_bsum && blk < r->nb; blk++) {
             int32_t s = 0;
             for (int i = 0; i < 32; i++) s += q[blk * 32 + i];
             r->bsum[m * r->nb + blk] = s;
@@ -577,7 +577,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     if (M == 0) return;
     const int vnni = isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI;
     xrows_t xr;
-    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset || (M == 1 && level_shift(type)), &xr);
+    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, M == 1 && level_shift(type), &xr);
     if (isa == ISA_PORTABLE) {
         rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
         free_rows(&xr);
