@@ -18,7 +18,7 @@ from ferry.model.attention import AttentionMetadata, paged_attention
 from ferry.model.config import ModelConfig
 from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode
 from ferry.model.kernels import kernels_usable, load_kernels
-from ferry.model.quant import QuantWeight, RowStack, cat_rows, dequantize, quant_linear
+from ferry.model.quant import QuantWeight, RowStack, cat_rows, dequantize, packed, quant_linear
 from ferry.model.rope import apply_rope, rope_tables
 from ferry.model.row_ops import gated_act_rows, rms_norm_rows, rope_rows_
 from ferry.model.tensor_parallel import Collectives, ShardPlan, shard_cols, shard_rows
@@ -210,8 +210,9 @@ class LlamaModel:
             return w + cfg.norm_offset if cfg.norm_offset else w
 
         self.embed = rows("model.embed_tokens.weight", vocab)
+        # A tied LM head is the embedding, whose rows lookups read in the file's layout: not packed.
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
-            else rows("lm_head.weight", vocab)
+            else packed(rows("lm_head.weight", vocab))
         self.norm = norm("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
@@ -225,12 +226,13 @@ class LlamaModel:
             m = p + "mlp."
             self.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=cat_rows([rows(a + f"{x}_proj.weight", heads[x]) for x in "qkv"]),
+                qkv=packed(cat_rows([rows(a + f"{x}_proj.weight", heads[x]) for x in "qkv"])),
                 qkv_bias=bias,
-                o_proj=cols(a + "o_proj.weight", heads["q"]),
+                o_proj=packed(cols(a + "o_proj.weight", heads["q"])),
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-                gate_up=None if moe_layer else cat_rows([rows(m + "gate_proj.weight", mlp), rows(m + "up_proj.weight", mlp)]),
-                down=None if moe_layer else cols(m + "down_proj.weight", mlp),
+                gate_up=None if moe_layer else packed(cat_rows([rows(m + "gate_proj.weight", mlp),
+                                                                rows(m + "up_proj.weight", mlp)])),
+                down=None if moe_layer else packed(cols(m + "down_proj.weight", mlp)),
                 q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
                 window=cfg.layer_windows[i],
@@ -239,11 +241,11 @@ class LlamaModel:
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
                 router=dense(take(m + "gate.weight")) if moe_layer else None,
                 # Kept quantized where the file is (a GGUF's experts): each goes through linear().
-                experts_gate_up=[cat_rows([rows(f"{m}experts.{e}.gate_proj.weight", plan.experts),
-                                           rows(f"{m}experts.{e}.up_proj.weight", plan.experts)])
+                experts_gate_up=[packed(cat_rows([rows(f"{m}experts.{e}.gate_proj.weight", plan.experts),
+                                                  rows(f"{m}experts.{e}.up_proj.weight", plan.experts)]))
                                  for e in range(cfg.num_experts)] if moe_layer else None,
-                experts_down=[cols(f"{m}experts.{e}.down_proj.weight", plan.experts) for e in range(cfg.num_experts)]
-                if moe_layer else None,
+                experts_down=[packed(cols(f"{m}experts.{e}.down_proj.weight", plan.experts))
+                              for e in range(cfg.num_experts)] if moe_layer else None,
             ))
         # One table per distinct (theta, scaling) among the layers (Gemma: its local and global bases).
         self.ropes = []

@@ -43,6 +43,9 @@ QUANT_TYPES = {t.name: t for t in (
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ACTIVATION_MODES = ("exact", "q8")
 Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
+PACKED_FLAG = 512  # its FERRY_QT_PACKED
+# The types q8 products read packed by 16 rows (kernels/quant_q8_packed.c).
+PACKED_TYPES = ("Q4_0", "Q4_1")
 # quant_q8_isa's variant ids (kernels/quant_q8.h), in order.
 Q8_ISAS = tuple(name for name, _ in Q8_ISA_MACROS)
 
@@ -87,6 +90,8 @@ class QuantWeight:
     # per block of 32 to int8 and integer dot products at every number of rows (quant_q8_tiles.c),
     # each row's result the same bits whatever the batch.
     activations: str = "exact"
+    # True: ``data`` is ``pack_rows16``'s layout (q8 products only), not the file's.
+    packed: bool = False
 
     @property
     def kind(self) -> QuantType:
@@ -94,8 +99,11 @@ class QuantWeight:
 
     @property
     def kernel_type(self) -> int:
-        """The product kernel's type id (the fused decode passes it on): the type, plus the q8 flag."""
-        return self.kind.kernel_id | (Q8_FLAG if self.activations == "q8" else 0)
+        """The product kernel's type id (the fused decode passes it on): the type, plus the q8 and
+        packed flags."""
+        if self.packed and self.activations != "q8":
+            raise ValueError(f"a {self.qtype} weight packed by 16 rows multiplies in q8 mode only")
+        return self.kind.kernel_id | (Q8_FLAG if self.activations == "q8" else 0) | (PACKED_FLAG if self.packed else 0)
 
     @property
     def nbytes(self) -> int:
@@ -134,11 +142,60 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     return QuantWeight(torch.from_numpy(data.copy()), qtype, shape)
 
 
+def _packed_view(blocks: np.ndarray, head: int) -> np.ndarray:
+    """[groups, blocks, 16 rows, bytes] of the file -> [groups, blocks, record]: 16 rows' quant
+    bytes four by four (dword n of each 64 is row n's), then each scale field's 16 halves."""
+    g, nc = blocks.shape[:2]
+    qs = blocks[..., head:].reshape(g, nc, 16, 4, 4).transpose(0, 1, 3, 2, 4).reshape(g, nc, 256)
+    scales = blocks[..., :head].reshape(g, nc, 16, head // 2, 2).transpose(0, 1, 3, 2, 4).reshape(g, nc, 16 * head)
+    return np.concatenate([qs, scales], axis=2)
+
+
+def pack_rows16(w: QuantWeight) -> QuantWeight:
+    """A Q4_0 / Q4_1 weight (q8 mode) packed for kernels/quant_q8_packed.c: per group of 16 rows and
+    block of 32, one record whose vector lanes are the rows (the last group padded with zero rows).
+    The same bytes permuted, so the same size and the same products, bit for bit."""
+    if w.qtype not in PACKED_TYPES or w.packed:
+        raise ValueError(f"only unpacked {' / '.join(PACKED_TYPES)} weights pack by 16 rows, not {w.qtype}")
+    n, k = w.shape
+    nc, b = k // 32, w.kind.nbytes
+    g = -(-n // 16)
+    blocks = np.zeros((g * 16, nc, b), dtype=np.uint8)
+    blocks[:n] = w.data.numpy().reshape(n, nc, b)
+    records = _packed_view(blocks.reshape(g, 16, nc, b).transpose(0, 2, 1, 3), b - 16)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(records).reshape(g * 16, nc * b)), w.qtype, w.shape,
+                       w.activations, packed=True)
+
+
+def unpack_rows16(w: QuantWeight) -> QuantWeight:
+    """``pack_rows16``'s inverse: the file's blocks again."""
+    n, k = w.shape
+    nc, b = k // 32, w.kind.nbytes
+    g, head = -(-n // 16), b - 16
+    records = w.data.numpy().reshape(g, nc, 16 * b)
+    qs = records[..., :256].reshape(g, nc, 4, 16, 4).transpose(0, 1, 3, 2, 4).reshape(g, nc, 16, 16)
+    scales = records[..., 256:].reshape(g, nc, head // 2, 16, 2).transpose(0, 1, 3, 2, 4).reshape(g, nc, 16, head)
+    blocks = np.concatenate([scales, qs], axis=3).transpose(0, 2, 1, 3).reshape(g * 16, nc * b)[:n]
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), w.qtype, w.shape, w.activations)
+
+
+def packed(w: torch.Tensor | QuantWeight | RowStack) -> torch.Tensor | QuantWeight | RowStack:
+    """``w`` as q8 products read it fastest: Q4_0 / Q4_1 q8 weights (and such parts of a RowStack)
+    packed by 16 rows, anything else as it is."""
+    if isinstance(w, RowStack):
+        return RowStack([packed(p) for p in w.parts])
+    if isinstance(w, QuantWeight) and w.activations == "q8" and w.qtype in PACKED_TYPES and not w.packed:
+        return pack_rows16(w)
+    return w
+
+
 def dequantize(w: QuantWeight | RowStack, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 rows of ``w`` (all of them, or those in ``rows``: embedding lookups)."""
     if isinstance(w, RowStack):
         whole = torch.cat([dequantize(p) for p in w.parts])
         return whole if rows is None else whole[rows.to(torch.int64)]
+    if w.packed:
+        w = unpack_rows16(w)
     n = w.shape[0] if rows is None else rows.numel()
     out = torch.empty(n, w.shape[1], dtype=torch.float32)
     ids = None if rows is None else rows.to(torch.int64).contiguous()
@@ -155,9 +212,10 @@ def quant_linear(x: torch.Tensor, w: QuantWeight | RowStack) -> torch.Tensor:
     x = x.contiguous()
     m, (n, k) = x.shape[0], w.shape
     lib = _kernels()
+    kernel_type = w.kernel_type  # a ValueError for a packed weight outside q8 mode
     if m <= KERNEL_ROWS or w.activations == "q8":
         y = torch.empty(m, n, dtype=torch.float32)
-        lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, w.kernel_type)
+        lib.quant_gemm(x.data_ptr(), w.data.data_ptr(), y.data_ptr(), m, n, k, kernel_type)
         return y
     step = max(1, SLICE_FLOATS // k)
     buf = torch.empty(min(n, step), k, dtype=torch.float32)

@@ -23,7 +23,7 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
-                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c", "row_ops.c")]
+                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c", "quant_q8_packed.c", "row_ops.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h", "quant_q8.h", "q8_levels.h", "row_ops.h")]
 # FERRY_KERNEL_ARCH picks the target (e.g. "haswell": AVX2+FMA, no AVX-512), to build and measure
 # what most users' CPUs run on a machine that has more.
@@ -36,7 +36,7 @@ COMPILE_FLAGS = ["-O3", ARCH, "-ffast-math", "-fPIC", "-fopenmp"]
 EXACT_FLAGS = {"quant_dequant.c": ["-O3", ARCH, "-fno-fast-math", "-ffp-contract=off", "-fPIC"],
                "quant_q8.c": ["-O3", "-march=x86-64-v2", "-mtune=native", "-fno-fast-math", "-ffp-contract=off",
                               "-fPIC", "-fopenmp"]}
-EXACT_FLAGS["quant_q8_tiles.c"] = EXACT_FLAGS["quant_q8.c"]
+EXACT_FLAGS["quant_q8_tiles.c"] = EXACT_FLAGS["quant_q8_packed.c"] = EXACT_FLAGS["quant_q8.c"]
 
 
 def _torch_libgomp() -> Path | None:

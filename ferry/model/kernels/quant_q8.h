@@ -10,4 +10,21 @@ int64_t quant_q8_isa(int64_t isa);
 int q8_has_offset(int64_t type);
 void q8_quantize_row(const float *x, int64_t K, int8_t *q, float *dx, int portable);
 void q8_unpack_row(const uint8_t *row, int64_t type, int64_t K, int8_t *q, float *a, float *b, int portable);
+/* M activation rows, quantized once per product. */
+typedef struct {
+    int8_t *q;   /* [M][K] levels */
+    uint8_t *u;  /* [M][K] levels + 128: dpbusd's unsigned operand */
+    float *dx;   /* [M][K / 32] block scales */
+    float *xsum; /* [M][K / gs] scale times the group's levels' sum */
+    int32_t *bsum; /* [M][K / 32] each block's levels' sum (for the shifted levels of direct8) */
+    int64_t K, nb, ng;
+} xrows_t;
+
+/* want_u: dpbusd on unsigned activations (VNNI variants, types without offsets); want_sum: the
+ * offset types' xsum; want_bsum: each block's levels' sum (shifted levels). */
+void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
+                      int want_bsum, xrows_t *r);
+void q8_free_rows(xrows_t *r);
+/* y[M, N] = x @ w^T, w a Q4_0 / Q4_1 weight packed by 16 rows (quant_q8_packed.c). */
+void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N, int64_t isa);
 #endif

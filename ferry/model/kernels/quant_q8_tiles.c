@@ -27,16 +27,6 @@
 #include "quant_q8.h"
 #include "quant_types.h"
 
-/* M activation rows, quantized once per product. */
-typedef struct {
-    int8_t *q;   /* [M][K] levels */
-    uint8_t *u;  /* [M][K] levels + 128: dpbusd's unsigned operand */
-    float *dx;   /* [M][K / 32] block scales */
-    float *xsum; /* [M][K / gs] scale times the group's levels' sum */
-    int32_t *bsum; /* [M][K / 32] each block's levels' sum (for the shifted levels of direct8) */
-    int64_t K, nb, ng;
-} xrows_t;
-
 static inline int group_size(int64_t type) { return type == QT_Q2_K || type == QT_Q3_K || type == QT_Q6_K ? 16 : 32; }
 
 /* Four activation bytes of row m at k, as a dword (the broadcast's source). */
@@ -46,10 +36,9 @@ static inline int32_t dword_at(const void *p) {
     return v;
 }
 
-/* want_u: dpbusd on unsigned activations (VNNI variants, types without offsets); want_sum: the
- * offset types' xsum; want_bsum: direct8's shifted types' bsum. */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
-                          int want_bsum, xrows_t *r) {
+/* M activation rows quantized (quant_q8.h). */
+void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
+                      int want_bsum, xrows_t *r) {
     r->K = K, r->nb = K / 32, r->ng = K / gs;
     r->q = malloc((size_t)(M * K));
     r->u = malloc((size_t)(M * K));
@@ -75,7 +64,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int gs, int port
     }
 }
 
-static void free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); free(r->bsum); }
+void q8_free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); free(r->bsum); }
 
 /* The order above, one weight row and one activation row at a time. */
 static void rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y,
@@ -572,15 +561,24 @@ typedef void (*tile_fn)(const tile_t *t, const xrows_t *x, float *y, int64_t m0,
 /* y[M, N] = x[M, K] @ w[N, K]^T in q8 mode (quant_gemm's FERRY_QT_Q8 products, any M). */
 void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
     const int64_t isa = quant_q8_isa(-2);
+    if (type & FERRY_QT_PACKED) {
+        type &= ~(int64_t)FERRY_QT_PACKED;
+        if (M == 0) return;
+        xrows_t xr;
+        q8_quantize_rows(x, M, K, 32, isa == ISA_PORTABLE, 0, type == QT_Q4_1, type == QT_Q4_0, &xr);
+        q8_packed_gemm(w, type, &xr, y, M, N, isa);
+        q8_free_rows(&xr);
+        return;
+    }
     const int gs = group_size(type), offset = q8_has_offset(type);
     const int64_t row_bytes = K / qt_block(type) * qt_bytes(type);
     if (M == 0) return;
     const int vnni = isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI;
     xrows_t xr;
-    quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, M == 1 && level_shift(type), &xr);
+    q8_quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, M == 1 && level_shift(type), &xr);
     if (isa == ISA_PORTABLE) {
         rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
-        free_rows(&xr);
+        q8_free_rows(&xr);
         return;
     }
     if (M == 1 && (fast32(type) || fast_k(type))) {
@@ -589,7 +587,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
         const direct_fn run = DIRECT[isa];
         #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += 8) run(w + n0 * row_bytes, row_bytes, type, &xr, y + n0, N - n0 < 8 ? (int)(N - n0) : 8);
-        free_rows(&xr);
+        q8_free_rows(&xr);
         return;
     }
     static const tile_fn TILES[ISA_COUNT] = {NULL, tile8_avx2, tile8_avx512bw, tile8_avxvnni, tile16_avx512vnni};
@@ -614,5 +612,5 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
         free(lev); free(ra); free(rb);
         free(t.t); free(t.w128); free(t.a); free(t.b);
     }
-    free_rows(&xr);
+    q8_free_rows(&xr);
 }

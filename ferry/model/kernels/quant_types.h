@@ -38,6 +38,7 @@ static inline int64_t qt_bytes(int64_t type) {
 }
 
 #define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8_tiles.c) */
+#define FERRY_QT_PACKED 512 /* | this (with FERRY_QT_Q8): the weight is packed by 16 rows (quant_q8_packed.c) */
 
 /* Q4_K / Q5_K: sub-block j's six-bit scale and min, 8 of each packed in 12 bytes at s. */
 static inline void qt_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {

@@ -1,0 +1,110 @@
+"""Q4_0 / Q4_1 weights packed by 16 rows for the q8 products (quant.pack_rows16,
+kernels/quant_q8_packed.c): the file's bytes permuted, the same products bit for bit in every
+instruction-set variant and at every M, and what a q8 model packs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.model.quant import PACKED_TYPES, Q8_ISAS, RowStack, dequantize, pack_rows16, packed, q8_isa, \
+    quant_linear, repack, unpack_rows16
+from tests.test_quant import F16_FIELDS, random_gguf_rows, write_mixed_gguf
+
+SHAPES = [(1, 32), (15, 96), (16, 64), (17, 576), (37, 544)]
+
+
+def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random blocks, and rows whose every quant byte is at an extreme (levels 0 and 15 together)."""
+    raw = random_gguf_rows(qtype, n, k, seed).reshape(n, k // 32, -1)
+    lo, hi = F16_FIELDS[qtype]
+    for row, fill in list(enumerate((0x00, 0xFF, 0xF0, 0x0F)))[:n]:
+        scales = raw[row, :, lo:hi].copy()
+        raw[row] = fill
+        raw[row, :, lo:hi] = scales
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packing_permutes_the_file_s_bytes_and_unpacks_to_them(qtype, n, k):
+    w = repack(random_gguf_rows(qtype, n, k, seed=n + k), qtype, (n, k))
+    p = pack_rows16(w)
+    assert p.packed and p.shape == w.shape and p.data.shape[0] == -(-n // 16) * 16
+    pad = p.data.numel() - w.data.numel()  # the last group's missing rows: zero bytes
+    assert np.array_equal(np.sort(p.data.numpy().ravel()),
+                          np.sort(np.concatenate([w.data.numpy().ravel(), np.zeros(pad, np.uint8)])))
+    assert torch.equal(unpack_rows16(p).data, w.data)
+    assert torch.equal(dequantize(p), dequantize(w))
+    rows = torch.tensor([n - 1, 0])
+    assert torch.equal(dequantize(p, rows), dequantize(w, rows))
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k):
+    """Every variant this CPU runs, the portable one first, at one row, a decode batch's (4 rows a
+    pass and a tail) and a prefill chunk's: packed products equal the file layout's, bit for bit."""
+    w = repack(extreme_rows(qtype, n, k, seed=3), qtype, (n, k))
+    w.activations = "q8"
+    p = pack_rows16(w)
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 2, 3, 4, 5, 9, 40)]
+    xs[-1][0], xs[-1][1] = 1.0, -1.0  # rows of +127 and -127 levels against the extreme weights
+    best, ran = q8_isa(), []
+    try:
+        for isa in Q8_ISAS:
+            try:
+                q8_isa(isa)
+            except ValueError:
+                continue  # this CPU lacks it
+            ran.append(isa)
+            for x in xs:
+                assert torch.equal(quant_linear(x, p), quant_linear(x, w)), (isa, x.shape[0])
+    finally:
+        q8_isa(best)
+    assert "portable" in ran and ("avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX"))
+
+
+def test_packed_picks_q8_q4_weights_and_nothing_else():
+    q41 = repack(random_gguf_rows("Q4_1", 16, 64, 1), "Q4_1", (16, 64))
+    q50 = repack(random_gguf_rows("Q5_0", 16, 64, 2), "Q5_0", (16, 64))
+    assert packed(q41) is q41  # exact mode: the file's layout
+    q41.activations = q50.activations = "q8"
+    assert packed(q41).packed and packed(q50) is q50
+    stack = packed(RowStack([q41, q50]))
+    assert [p.packed for p in stack.parts] == [True, False]
+    p = packed(q41)
+    p.activations = "exact"
+    with pytest.raises(ValueError, match="packed by 16 rows multiplies in q8 mode only"):
+        quant_linear(torch.randn(1, 64), p)
+    with pytest.raises(ValueError, match="only unpacked"):
+        pack_rows16(q50)
+
+
+def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monkeypatch, parity_prompts):
+    """The mixed file's second layer (Q4_0 o_proj, Q4_1 gate beside Q5_0 up) in q8 mode: packed
+    there (a stack's Q4_1 part too), and the same greedy tokens and logprobs, bit for bit, as the
+    same model with packing off, batched and one request alone (the fused decode's one-row products)."""
+    from ferry import LLM, SamplingParams
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mixed.gguf"
+    write_mixed_gguf(path)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = parity_prompts[:4]
+
+    def run(llm):
+        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    q8 = LLM(model=str(path), quant_activations="q8")
+    layer = q8.engine.executor.model.layers[1]
+    assert layer.o_proj.packed and [p.packed for p in layer.gate_up.parts] == [True, False]
+    assert not q8.engine.executor.model.layers[0].o_proj.packed  # Q5_1
+    want = run(q8)
+    del q8
+    monkeypatch.setattr("ferry.model.llama.packed", lambda w: w)
+    plain = LLM(model=str(path), quant_activations="q8")
+    assert not plain.engine.executor.model.layers[1].o_proj.packed
+    assert run(plain) == want
