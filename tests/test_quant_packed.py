@@ -1,4 +1,4 @@
-"""Q4_0 / Q4_1 weights packed by 16 rows for the q8 products (quant.pack_rows16,
+"""32-block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) packed by 16 rows for the q8 products (quant.pack_rows16,
 kernels/quant_q8_packed.c): the file's bytes permuted, the same products bit for bit in every
 instruction-set variant and at every M, and what a q8 model packs."""
 from __future__ import annotations
@@ -15,10 +15,11 @@ SHAPES = [(1, 32), (15, 96), (16, 64), (17, 576), (37, 544)]
 
 
 def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random blocks, and rows whose every quant byte is at an extreme (levels 0 and 15 together)."""
+    """Random blocks, and rows whose every quant byte is at an extreme (4-bit levels 0 and 15, Q8_0's
+    -128, -1 and 127; Q5's fifth bits all set or clear), against which no int16 may saturate."""
     raw = random_gguf_rows(qtype, n, k, seed).reshape(n, k // 32, -1)
     lo, hi = F16_FIELDS[qtype]
-    for row, fill in list(enumerate((0x00, 0xFF, 0xF0, 0x0F)))[:n]:
+    for row, fill in list(enumerate((0x00, 0xFF, 0xF0, 0x0F, 0x80, 0x7F)))[:n]:
         scales = raw[row, :, lo:hi].copy()
         raw[row] = fill
         raw[row, :, lo:hi] = scales
@@ -65,26 +66,30 @@ def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k
     assert "portable" in ran and ("avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX"))
 
 
-def test_packed_picks_q8_q4_weights_and_nothing_else():
-    q41 = repack(random_gguf_rows("Q4_1", 16, 64, 1), "Q4_1", (16, 64))
-    q50 = repack(random_gguf_rows("Q5_0", 16, 64, 2), "Q5_0", (16, 64))
+def test_packed_picks_q8_32_block_weights_and_nothing_else():
+    q41 = repack(random_gguf_rows("Q4_1", 16, 256, 1), "Q4_1", (16, 256))
+    q4k = repack(random_gguf_rows("Q4_K", 16, 256, 2), "Q4_K", (16, 256))
     assert packed(q41) is q41  # exact mode: the file's layout
-    q41.activations = q50.activations = "q8"
-    assert packed(q41).packed and packed(q50) is q50
-    stack = packed(RowStack([q41, q50]))
+    q41.activations = q4k.activations = "q8"
+    assert packed(q41).packed and packed(q4k) is q4k
+    stack = packed(RowStack([q41, q4k]))
     assert [p.packed for p in stack.parts] == [True, False]
     p = packed(q41)
     p.activations = "exact"
     with pytest.raises(ValueError, match="packed by 16 rows multiplies in q8 mode only"):
-        quant_linear(torch.randn(1, 64), p)
+        quant_linear(torch.randn(1, 256), p)
     with pytest.raises(ValueError, match="only unpacked"):
-        pack_rows16(q50)
+        pack_rows16(q4k)
+    with pytest.raises(ValueError, match="only unpacked"):
+        pack_rows16(packed(q41))
 
 
 def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monkeypatch, parity_prompts):
-    """The mixed file's second layer (Q4_0 o_proj, Q4_1 gate beside Q5_0 up) in q8 mode: packed
-    there (a stack's Q4_1 part too), and the same greedy tokens and logprobs, bit for bit, as the
-    same model with packing off, batched and one request alone (the fused decode's one-row products)."""
+    """The mixed file in q8 mode: its 32-block weights packed (a stack's Q5_0 q/k and Q8_0 v parts,
+    Q4_1 gate and Q5_0 up, and the tied Q8_0 LM head, whose embedding lookups gather from the
+    records), the others (IQ4_NL, Q6_K) as they are, and the same
+    greedy tokens and logprobs, bit for bit, as the same model with packing off, batched and one
+    request alone (the fused decode's one-row products)."""
     from ferry import LLM, SamplingParams
 
     monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
@@ -99,9 +104,12 @@ def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monk
                 for o in outs]
 
     q8 = LLM(model=str(path), quant_activations="q8")
-    layer = q8.engine.executor.model.layers[1]
-    assert layer.o_proj.packed and [p.packed for p in layer.gate_up.parts] == [True, False]
-    assert not q8.engine.executor.model.layers[0].o_proj.packed  # Q5_1
+    model = q8.engine.executor.model
+    first, second = model.layers
+    assert [p.packed for p in first.qkv.parts] == [True, True] and first.o_proj.packed and first.gate_up.packed
+    assert not first.down.packed  # Q6_K
+    assert not second.qkv.packed and second.o_proj.packed and [p.packed for p in second.gate_up.parts] == [True, True]
+    assert model.lm_head is model.embed and model.embed.packed
     want = run(q8)
     del q8
     monkeypatch.setattr("ferry.model.llama.packed", lambda w: w)

@@ -209,10 +209,11 @@ class LlamaModel:
             w = take(name)
             return w + cfg.norm_offset if cfg.norm_offset else w
 
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        # Packed for the LM head's products when tied; lookups gather their rows from the records.
         self.embed = rows("model.embed_tokens.weight", vocab)
-        # A tied LM head is the embedding, whose rows lookups read in the file's layout: not packed.
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
-            else packed(rows("lm_head.weight", vocab))
+        self.embed = packed(self.embed) if tied else self.embed
+        self.lm_head = self.embed if tied else packed(rows("lm_head.weight", vocab))
         self.norm = norm("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):

@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
 
@@ -44,8 +45,11 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 ACTIVATION_MODES = ("exact", "q8")
 Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
 PACKED_FLAG = 512  # its FERRY_QT_PACKED
-# The types q8 products read packed by 16 rows (kernels/quant_q8_packed.c).
-PACKED_TYPES = ("Q4_0", "Q4_1")
+# The types q8 products read packed by 16 rows (kernels/quant_q8_packed.c): each one's block fields
+# before its quant bytes, as (offset, bytes) in the file's block.
+PACKED_FIELDS = {"Q4_0": ((0, 2),), "Q4_1": ((0, 2), (2, 2)), "Q5_0": ((0, 2), (2, 4)),
+                 "Q5_1": ((0, 2), (2, 2), (4, 4)), "Q8_0": ((0, 2),)}
+PACKED_TYPES = tuple(PACKED_FIELDS)
 # quant_q8_isa's variant ids (kernels/quant_q8.h), in order.
 Q8_ISAS = tuple(name for name, _ in Q8_ISA_MACROS)
 
@@ -142,49 +146,54 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     return QuantWeight(torch.from_numpy(data.copy()), qtype, shape)
 
 
-def _packed_view(blocks: np.ndarray, head: int) -> np.ndarray:
-    """[groups, blocks, 16 rows, bytes] of the file -> [groups, blocks, record]: 16 rows' quant
-    bytes four by four (dword n of each 64 is row n's), then each scale field's 16 halves."""
-    g, nc = blocks.shape[:2]
-    qs = blocks[..., head:].reshape(g, nc, 16, 4, 4).transpose(0, 1, 3, 2, 4).reshape(g, nc, 256)
-    scales = blocks[..., :head].reshape(g, nc, 16, head // 2, 2).transpose(0, 1, 3, 2, 4).reshape(g, nc, 16 * head)
-    return np.concatenate([qs, scales], axis=2)
+@lru_cache(maxsize=None)
+def _record_index(qtype: str) -> np.ndarray:
+    """[16, block bytes]: where byte j of row n's block sits in its packed record (the layout of
+    kernels/quant_q8_packed.c: the quant bytes four by four, dword n of each 64 row n's, then each
+    other field with the 16 rows side by side)."""
+    b, fields = QUANT_TYPES[qtype].nbytes, PACKED_FIELDS[qtype]
+    head = sum(size for _, size in fields)
+    j, n = np.arange(b - head), np.arange(16)[:, None]
+    idx = np.empty((16, b), dtype=np.int64)
+    idx[:, head:] = 64 * (j // 4) + 4 * n + j % 4
+    at = 16 * (b - head)
+    for off, size in fields:
+        idx[:, off:off + size] = at + size * n + np.arange(size)
+        at += 16 * size
+    return idx
 
 
 def pack_rows16(w: QuantWeight) -> QuantWeight:
-    """A Q4_0 / Q4_1 weight (q8 mode) packed for kernels/quant_q8_packed.c: per group of 16 rows and
-    block of 32, one record whose vector lanes are the rows (the last group padded with zero rows).
-    The same bytes permuted, so the same size and the same products, bit for bit."""
-    if w.qtype not in PACKED_TYPES or w.packed:
-        raise ValueError(f"only unpacked {' / '.join(PACKED_TYPES)} weights pack by 16 rows, not {w.qtype}")
-    n, k = w.shape
-    nc, b = k // 32, w.kind.nbytes
-    g = -(-n // 16)
+    """A 32-block weight (PACKED_TYPES, q8 mode) packed for kernels/quant_q8_packed.c: per group of
+    16 rows and block, one record whose vector lanes are the rows (the last group padded with zero
+    rows). The same bytes permuted, so the same size and the same products, bit for bit."""
+    if w.qtype not in PACKED_FIELDS or w.packed:
+        raise ValueError(f"only unpacked {' / '.join(PACKED_FIELDS)} weights pack by 16 rows, not {w.qtype}")
+    (n, k), b = w.shape, w.kind.nbytes
+    nc, g = k // 32, -(-n // 16)
     blocks = np.zeros((g * 16, nc, b), dtype=np.uint8)
     blocks[:n] = w.data.numpy().reshape(n, nc, b)
-    records = _packed_view(blocks.reshape(g, 16, nc, b).transpose(0, 2, 1, 3), b - 16)
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(records).reshape(g * 16, nc * b)), w.qtype, w.shape,
-                       w.activations, packed=True)
+    records = np.zeros((g, nc, 16 * b), dtype=np.uint8)
+    records[:, :, _record_index(w.qtype).ravel()] = blocks.reshape(g, 16, nc, b).transpose(0, 2, 1, 3).reshape(g, nc, -1)
+    return QuantWeight(torch.from_numpy(records.reshape(g * 16, nc * b)), w.qtype, w.shape, w.activations, packed=True)
 
 
-def unpack_rows16(w: QuantWeight) -> QuantWeight:
-    """``pack_rows16``'s inverse: the file's blocks again."""
-    n, k = w.shape
-    nc, b = k // 32, w.kind.nbytes
-    g, head = -(-n // 16), b - 16
-    records = w.data.numpy().reshape(g, nc, 16 * b)
-    qs = records[..., :256].reshape(g, nc, 4, 16, 4).transpose(0, 1, 3, 2, 4).reshape(g, nc, 16, 16)
-    scales = records[..., 256:].reshape(g, nc, head // 2, 16, 2).transpose(0, 1, 3, 2, 4).reshape(g, nc, 16, head)
-    blocks = np.concatenate([scales, qs], axis=3).transpose(0, 2, 1, 3).reshape(g * 16, nc * b)[:n]
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), w.qtype, w.shape, w.activations)
+def unpack_rows16(w: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
+    """Rows of a packed weight (all, or those in ``rows``) in the file's blocks again."""
+    (n, k), b = w.shape, w.kind.nbytes
+    nc = k // 32
+    r = np.arange(n) if rows is None else rows.to(torch.int64).numpy()
+    records = w.data.numpy().reshape(-1, nc, 16 * b)
+    blocks = records[(r // 16)[:, None, None], np.arange(nc)[None, :, None], _record_index(w.qtype)[r % 16][:, None, :]]
+    return QuantWeight(torch.from_numpy(blocks.reshape(len(r), nc * b)), w.qtype, (len(r), k), w.activations)
 
 
 def packed(w: torch.Tensor | QuantWeight | RowStack) -> torch.Tensor | QuantWeight | RowStack:
-    """``w`` as q8 products read it fastest: Q4_0 / Q4_1 q8 weights (and such parts of a RowStack)
+    """``w`` as q8 products read it fastest: q8 weights of PACKED_TYPES (and such parts of a RowStack)
     packed by 16 rows, anything else as it is."""
     if isinstance(w, RowStack):
         return RowStack([packed(p) for p in w.parts])
-    if isinstance(w, QuantWeight) and w.activations == "q8" and w.qtype in PACKED_TYPES and not w.packed:
+    if isinstance(w, QuantWeight) and w.activations == "q8" and w.qtype in PACKED_FIELDS and not w.packed:
         return pack_rows16(w)
     return w
 
@@ -194,8 +203,8 @@ def dequantize(w: QuantWeight | RowStack, rows: torch.Tensor | None = None) -> t
     if isinstance(w, RowStack):
         whole = torch.cat([dequantize(p) for p in w.parts])
         return whole if rows is None else whole[rows.to(torch.int64)]
-    if w.packed:
-        w = unpack_rows16(w)
+    if w.packed:  # just the rows asked for (embedding lookups of a packed tied LM head)
+        w, rows = unpack_rows16(w, rows), None
     n = w.shape[0] if rows is None else rows.numel()
     out = torch.empty(n, w.shape[1], dtype=torch.float32)
     ids = None if rows is None else rows.to(torch.int64).contiguous()

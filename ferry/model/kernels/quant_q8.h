@@ -25,6 +25,8 @@ typedef struct {
 void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
                       int want_bsum, xrows_t *r);
 void q8_free_rows(xrows_t *r);
-/* y[M, N] = x @ w^T, w a Q4_0 / Q4_1 weight packed by 16 rows (quant_q8_packed.c). */
+/* y[M, N] = x @ w^T, w a 32-block weight packed by 16 rows (quant_q8_packed.c), x quantized with
+ * what q8_packed_needs says. */
+void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *want_bsum);
 void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N, int64_t isa);
 #endif

@@ -565,7 +565,9 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
         type &= ~(int64_t)FERRY_QT_PACKED;
         if (M == 0) return;
         xrows_t xr;
-        q8_quantize_rows(x, M, K, 32, isa == ISA_PORTABLE, 0, type == QT_Q4_1, type == QT_Q4_0, &xr);
+        int want_u, want_sum, want_bsum;
+        q8_packed_needs(type, isa, &want_u, &want_sum, &want_bsum);
+        q8_quantize_rows(x, M, K, 32, isa == ISA_PORTABLE, want_u, want_sum, want_bsum, &xr);
         q8_packed_gemm(w, type, &xr, y, M, N, isa);
         q8_free_rows(&xr);
         return;
