@@ -18,7 +18,7 @@ from ferry.executor.pooling import pool
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
-from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, resolve_device
+from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, release_freed_memory, resolve_device
 from ferry.model.kv_format import cache_dtype, row_width
 from ferry.model.llama import ForwardOutput, LlamaModel
 from ferry.model.tensor_parallel import Collectives, ShardPlan
@@ -106,6 +106,7 @@ class ModelExecutor:
         q8 = any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
         self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
         del weights
+        release_freed_memory()
         self.model_config = cfg
         self.model_dir = setup.model_dir
         self.vocab_size = cfg.vocab_size

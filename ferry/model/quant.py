@@ -289,7 +289,9 @@ def cached_gguf_weights(path: Path, cache_dir: Path) -> dict[str, torch.Tensor |
 
         with safe_open(str(cached), "pt") as f:
             kinds = json.loads(f.metadata()["ferry"])
-        tensors = load_file(str(cached))
+        # Copied out of the file's mapping, which lives while any tensor of it does: a norm weight
+        # would keep the whole file resident beside the packed copies q8 mode makes (+1x the model).
+        tensors = {name: t.clone() for name, t in load_file(str(cached)).items()}
         return {name: QuantWeight(tensors[name], kinds[name][0], tuple(kinds[name][1])) if name in kinds
                 else tensors[name] for name in tensors}
     weights = load_gguf_weights(path)
