@@ -1,4 +1,4 @@
-"""32-block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) packed by 16 rows for the q8 products (quant.pack_rows16,
+"""Weights packed by 16 rows for the q8 products (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K; (quant.pack_rows16,
 kernels/quant_q8_packed.c): the file's bytes permuted, the same products bit for bit in every
 instruction-set variant and at every M, and what a q8 model packs."""
 from __future__ import annotations
@@ -7,17 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.model.quant import PACKED_TYPES, Q8_ISAS, RowStack, dequantize, pack_rows16, packed, q8_isa, \
+from ferry.model.quant import QUANT_TYPES, Q8_ISAS, packable, RowStack, dequantize, pack_rows16, packed, q8_isa, \
     quant_linear, repack, unpack_rows16
 from tests.test_quant import F16_FIELDS, random_gguf_rows, write_mixed_gguf
 
-SHAPES = [(1, 32), (15, 96), (16, 64), (17, 576), (37, 544)]
+PACKED = [t for t in QUANT_TYPES if packable(t)]
+SHAPES = {32: [(1, 32), (15, 96), (16, 64), (17, 576), (37, 544)], 256: [(1, 256), (15, 512), (17, 768), (37, 1536)]}
+CASES = [(t, n, k) for t in PACKED for n, k in SHAPES[QUANT_TYPES[t].block]]
 
 
 def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     """Random blocks, and rows whose every quant byte is at an extreme (4-bit levels 0 and 15, Q8_0's
     -128, -1 and 127; Q5's fifth bits all set or clear), against which no int16 may saturate."""
-    raw = random_gguf_rows(qtype, n, k, seed).reshape(n, k // 32, -1)
+    raw = random_gguf_rows(qtype, n, k, seed).reshape(n, k // QUANT_TYPES[qtype].block, -1)
     lo, hi = F16_FIELDS[qtype]
     for row, fill in list(enumerate((0x00, 0xFF, 0xF0, 0x0F, 0x80, 0x7F)))[:n]:
         scales = raw[row, :, lo:hi].copy()
@@ -26,8 +28,11 @@ def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", PACKED_TYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
+def test_the_packed_types_are_the_32_blocks_and_k_quants_but_iq4_xs():
+    assert PACKED == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES)
 def test_packing_permutes_the_file_s_bytes_and_unpacks_to_them(qtype, n, k):
     w = repack(random_gguf_rows(qtype, n, k, seed=n + k), qtype, (n, k))
     p = pack_rows16(w)
@@ -41,8 +46,7 @@ def test_packing_permutes_the_file_s_bytes_and_unpacks_to_them(qtype, n, k):
     assert torch.equal(dequantize(p, rows), dequantize(w, rows))
 
 
-@pytest.mark.parametrize("qtype", PACKED_TYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("qtype,n,k", CASES)
 def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k):
     """Every variant this CPU runs, the portable one first, at one row, a decode batch's (4 rows a
     pass and a tail) and a prefill chunk's: packed products equal the file layout's, bit for bit."""
@@ -68,26 +72,26 @@ def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k
 
 def test_packed_picks_q8_32_block_weights_and_nothing_else():
     q41 = repack(random_gguf_rows("Q4_1", 16, 256, 1), "Q4_1", (16, 256))
-    q4k = repack(random_gguf_rows("Q4_K", 16, 256, 2), "Q4_K", (16, 256))
+    iq4xs = repack(random_gguf_rows("IQ4_XS", 16, 256, 2), "IQ4_XS", (16, 256))
     assert packed(q41) is q41  # exact mode: the file's layout
-    q41.activations = q4k.activations = "q8"
-    assert packed(q41).packed and packed(q4k) is q4k
-    stack = packed(RowStack([q41, q4k]))
+    q41.activations = iq4xs.activations = "q8"
+    assert packed(q41).packed and packed(iq4xs) is iq4xs
+    stack = packed(RowStack([q41, iq4xs]))
     assert [p.packed for p in stack.parts] == [True, False]
     p = packed(q41)
     p.activations = "exact"
     with pytest.raises(ValueError, match="packed by 16 rows multiplies in q8 mode only"):
         quant_linear(torch.randn(1, 256), p)
     with pytest.raises(ValueError, match="only unpacked"):
-        pack_rows16(q4k)
+        pack_rows16(iq4xs)
     with pytest.raises(ValueError, match="only unpacked"):
         pack_rows16(packed(q41))
 
 
 def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monkeypatch, parity_prompts):
-    """The mixed file in q8 mode: its 32-block weights packed (a stack's Q5_0 q/k and Q8_0 v parts,
-    Q4_1 gate and Q5_0 up, and the tied Q8_0 LM head, whose embedding lookups gather from the
-    records), the others (IQ4_NL, Q6_K) as they are, and the same
+    """The mixed file in q8 mode: every weight packed (a stack's Q5_0 q/k and Q8_0 v parts, Q4_1 gate
+    and Q5_0 up, IQ4_NL, Q6_K, Q4_K, and the tied Q8_0 LM head, whose embedding lookups gather from
+    the records), and the same
     greedy tokens and logprobs, bit for bit, as the same model with packing off, batched and one
     request alone (the fused decode's one-row products)."""
     from ferry import LLM, SamplingParams
@@ -107,8 +111,8 @@ def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monk
     model = q8.engine.executor.model
     first, second = model.layers
     assert [p.packed for p in first.qkv.parts] == [True, True] and first.o_proj.packed and first.gate_up.packed
-    assert not first.down.packed  # Q6_K
-    assert not second.qkv.packed and second.o_proj.packed and [p.packed for p in second.gate_up.parts] == [True, True]
+    assert first.down.packed and second.down.packed  # Q6_K, Q4_K
+    assert second.qkv.packed and second.o_proj.packed and [p.packed for p in second.gate_up.parts] == [True, True]
     assert model.lm_head is model.embed and model.embed.packed
     want = run(q8)
     del q8

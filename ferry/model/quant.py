@@ -45,11 +45,6 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 ACTIVATION_MODES = ("exact", "q8")
 Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8
 PACKED_FLAG = 512  # its FERRY_QT_PACKED
-# The types q8 products read packed by 16 rows (kernels/quant_q8_packed.c): each one's block fields
-# before its quant bytes, as (offset, bytes) in the file's block.
-PACKED_FIELDS = {"Q4_0": ((0, 2),), "Q4_1": ((0, 2), (2, 2)), "Q5_0": ((0, 2), (2, 4)),
-                 "Q5_1": ((0, 2), (2, 2), (4, 4)), "Q8_0": ((0, 2),)}
-PACKED_TYPES = tuple(PACKED_FIELDS)
 # quant_q8_isa's variant ids (kernels/quant_q8.h), in order.
 Q8_ISAS = tuple(name for name, _ in Q8_ISA_MACROS)
 
@@ -147,30 +142,28 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
 
 
 @lru_cache(maxsize=None)
-def _record_index(qtype: str) -> np.ndarray:
-    """[16, block bytes]: where byte j of row n's block sits in its packed record (the layout of
-    kernels/quant_q8_packed.c: the quant bytes four by four, dword n of each 64 row n's, then each
-    other field with the 16 rows side by side)."""
-    b, fields = QUANT_TYPES[qtype].nbytes, PACKED_FIELDS[qtype]
-    head = sum(size for _, size in fields)
-    j, n = np.arange(b - head), np.arange(16)[:, None]
-    idx = np.empty((16, b), dtype=np.int64)
-    idx[:, head:] = 64 * (j // 4) + 4 * n + j % 4
-    at = 16 * (b - head)
-    for off, size in fields:
-        idx[:, off:off + size] = at + size * n + np.arange(size)
-        at += 16 * size
-    return idx
+def _record_index(qtype: str) -> np.ndarray | None:
+    """[16, block bytes]: where byte j of row n's block sits in its packed record, from the layout
+    table of kernels/quant_q8_packed.c (its one definition); None for a type it does not pack."""
+    t = QUANT_TYPES[qtype]
+    idx = np.empty((16, t.nbytes), dtype=np.int64)
+    return idx if _kernels().q8_packed_index(t.kernel_id, idx.ctypes.data) == 0 else None
+
+
+def packable(qtype: str) -> bool:
+    """True when q8 products read ``qtype`` packed by 16 rows."""
+    return _record_index(qtype) is not None
 
 
 def pack_rows16(w: QuantWeight) -> QuantWeight:
-    """A 32-block weight (PACKED_TYPES, q8 mode) packed for kernels/quant_q8_packed.c: per group of
-    16 rows and block, one record whose vector lanes are the rows (the last group padded with zero
-    rows). The same bytes permuted, so the same size and the same products, bit for bit."""
-    if w.qtype not in PACKED_FIELDS or w.packed:
-        raise ValueError(f"only unpacked {' / '.join(PACKED_FIELDS)} weights pack by 16 rows, not {w.qtype}")
+    """A q8 weight of a ``packable`` type packed for kernels/quant_q8_packed.c: per group of 16 rows
+    and block, one record whose vector lanes are the rows (the last group padded with zero rows).
+    The same bytes permuted, so the same size and the same products, bit for bit."""
+    if w.packed or not packable(w.qtype):
+        raise ValueError(f"only unpacked weights of the packable types pack by 16 rows, not {w.qtype}"
+                         f"{' (packed already)' if w.packed else ''}")
     (n, k), b = w.shape, w.kind.nbytes
-    nc, g = k // 32, -(-n // 16)
+    nc, g = k // w.kind.block, -(-n // 16)
     blocks = np.zeros((g * 16, nc, b), dtype=np.uint8)
     blocks[:n] = w.data.numpy().reshape(n, nc, b)
     records = np.zeros((g, nc, 16 * b), dtype=np.uint8)
@@ -181,7 +174,7 @@ def pack_rows16(w: QuantWeight) -> QuantWeight:
 def unpack_rows16(w: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
     """Rows of a packed weight (all, or those in ``rows``) in the file's blocks again."""
     (n, k), b = w.shape, w.kind.nbytes
-    nc = k // 32
+    nc = k // w.kind.block
     r = np.arange(n) if rows is None else rows.to(torch.int64).numpy()
     records = w.data.numpy().reshape(-1, nc, 16 * b)
     blocks = records[(r // 16)[:, None, None], np.arange(nc)[None, :, None], _record_index(w.qtype)[r % 16][:, None, :]]
@@ -189,11 +182,11 @@ def unpack_rows16(w: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeig
 
 
 def packed(w: torch.Tensor | QuantWeight | RowStack) -> torch.Tensor | QuantWeight | RowStack:
-    """``w`` as q8 products read it fastest: q8 weights of PACKED_TYPES (and such parts of a RowStack)
-    packed by 16 rows, anything else as it is."""
+    """``w`` as q8 products read it fastest: q8 weights of ``packable`` types (and such parts of a
+    RowStack) packed by 16 rows, anything else as it is."""
     if isinstance(w, RowStack):
         return RowStack([packed(p) for p in w.parts])
-    if isinstance(w, QuantWeight) and w.activations == "q8" and w.qtype in PACKED_FIELDS and not w.packed:
+    if isinstance(w, QuantWeight) and w.activations == "q8" and not w.packed and packable(w.qtype):
         return pack_rows16(w)
     return w
 

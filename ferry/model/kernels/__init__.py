@@ -106,6 +106,8 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_dequant.restype = None
     so.quant_q8_isa.argtypes = [i64]
     so.quant_q8_isa.restype = i64
+    so.q8_packed_index.argtypes = [i64, ptr]
+    so.q8_packed_index.restype = i64
     so.quant_type_row.argtypes = [i64, ctypes.c_char_p, ptr]
     so.quant_type_row.restype = i64
     so.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64] + [ptr] * 4 + [i64] + [ptr] * 3 + [i64, ptr]

@@ -16,17 +16,18 @@ typedef struct {
     uint8_t *u;  /* [M][K] levels + 128: dpbusd's unsigned operand */
     float *dx;   /* [M][K / 32] block scales */
     float *xsum; /* [M][K / gs] scale times the group's levels' sum */
-    int32_t *bsum; /* [M][K / 32] each block's levels' sum (for the shifted levels of direct8) */
+    int32_t *bsum; /* [M][K / bsum_gs] each group's levels' sum (for shifted weight levels) */
     int64_t K, nb, ng;
 } xrows_t;
 
 /* want_u: dpbusd on unsigned activations (VNNI variants, types without offsets); want_sum: the
- * offset types' xsum; want_bsum: each block's levels' sum (shifted levels). */
+ * offset types' xsum; bsum_gs: 0, or the group size of the levels' sums (shifted weight levels). */
 void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
-                      int want_bsum, xrows_t *r);
+                      int bsum_gs, xrows_t *r);
 void q8_free_rows(xrows_t *r);
 /* y[M, N] = x @ w^T, w a 32-block weight packed by 16 rows (quant_q8_packed.c), x quantized with
  * what q8_packed_needs says. */
-void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *want_bsum);
+void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs);
+int64_t q8_packed_index(int64_t type, int64_t *idx);
 void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N, int64_t isa);
 #endif

@@ -1,21 +1,22 @@
-/* q8 products with 32-block weights packed by 16 rows (ferry.model.quant.pack_rows16), at every M:
- * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0.
+/* q8 products with weights packed by 16 rows (ferry.model.quant.pack_rows16), at every M: Q4_0,
+ * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K.
  *
  * The file's layout keeps a row's blocks together, so a vector of levels holds 32 weights of ONE
  * row, and every product ends in sums across lanes (direct8's hadd tree) or a turned copy (the
  * tiles). Packed, dword n of a 64-byte line holds four weights of row n: the lanes are the rows, so
  * one broadcast of four activation bytes multiplies 16 (or 8) rows at once and everything after it
  * is lane by lane, with nothing turned at run time (llama.cpp packs its AMX build's weights so).
- * Layout, per group of 16 rows g and 32-block c, one record of 16 x the type's block bytes at
- * (g * K / 32 + c) * record; QB quant bytes per row's block (16, Q8_0 32):
- *     [64 * L + 4 * n + i], L < QB / 4, i < 4: quant byte 4L + i of row n's block
- *     then each of the block's other fields in the file's order, 16 rows side by side: d (float16,
- *     2 bytes a row), Q4_1 / Q5_1's m (2 bytes), Q5_0 / Q5_1's fifth bits qh (4 bytes a row).
+ * Layout (LAYOUTS below, the one definition; quant.py reads it through q8_packed_index): per group
+ * of 16 rows g and block b, one record of 16 x the block's bytes at (g * blocks per row + b) * record:
+ *     the block's quant byte ranges, each as lines of 64 bytes: [64 L + 4 n + i] = byte 4L + i of
+ *     the range in row n's block;
+ *     then each other field (scales, offsets, fifth bits, K-quants' packed scales as dwords) with
+ *     the 16 rows side by side: [size * n + i] = byte i of the field in row n's block.
  * Bytes are a permutation of the file's (the last group's missing rows zero), so resident size is
- * the file's. Levels: Q8_0's as they are; the nibbles (and fifth bits) as unsigned 0..15 (0..31),
- * Q4_0 / Q5_0's being level + 8 (+ 16) with the shift times the block's activation sum taken back
- * from the exact integer sum. So each output follows quant_q8_tiles.c's order, op for op: the same
- * bits as the file layout's products.
+ * the file's. Levels are the file's: Q8_0 / IQ4_NL's signed as they are, the others as unsigned
+ * bits (Q4_0 / Q5_0 / Q6_K's being level + 8 / 16 / 32, the shift times the group's activation sum
+ * taken back from the exact integer sum). So each output follows quant_q8_tiles.c's order, op for
+ * op: the same bits as the file layout's products.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -28,153 +29,394 @@
 
 #define R 4 /* activation rows per pass over a group: their accumulators stay in registers */
 
+/* Each packable type's quant byte ranges and other fields, as (offset, bytes) in the file's block. */
+typedef struct {
+    int64_t type;
+    int nq, nf;
+    int q[2][2], f[5][2];
+} layout_t;
+static const layout_t LAYOUTS[] = {
+    {QT_Q4_0, 1, 1, {{2, 16}}, {{0, 2}}},
+    {QT_Q4_1, 1, 2, {{4, 16}}, {{0, 2}, {2, 2}}},
+    {QT_Q5_0, 1, 2, {{6, 16}}, {{0, 2}, {2, 4}}},
+    {QT_Q5_1, 1, 3, {{8, 16}}, {{0, 2}, {2, 2}, {4, 4}}},
+    {QT_Q8_0, 1, 1, {{2, 32}}, {{0, 2}}},
+    {QT_IQ4_NL, 1, 1, {{2, 16}}, {{0, 2}}},
+    /* K-quants: d, dmin, the 12 scale bytes as 3 dwords (qs, then Q5_K's fifth bits, as lines) */
+    {QT_Q4_K, 1, 5, {{16, 128}}, {{0, 2}, {2, 2}, {4, 4}, {8, 4}, {12, 4}}},
+    {QT_Q5_K, 2, 5, {{48, 128}, {16, 32}}, {{0, 2}, {2, 2}, {4, 4}, {8, 4}, {12, 4}}},
+    {QT_Q6_K, 1, 5, {{0, 192}}, {{192, 4}, {196, 4}, {200, 4}, {204, 4}, {208, 2}}},
+};
+#define N_LAYOUTS (int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0]))
+
+static const layout_t *layout_of(int64_t type) {
+    for (int i = 0; i < N_LAYOUTS; i++)
+        if (LAYOUTS[i].type == type) return &LAYOUTS[i];
+    return NULL;
+}
+
+/* idx[n * bytes + j] = where byte j of row n's block sits in its record; -1 when type is not packed. */
+int64_t q8_packed_index(int64_t type, int64_t *idx) {
+    const layout_t *l = layout_of(type);
+    if (!l) return -1;
+    const int64_t b = qt_bytes(type);
+    int64_t at = 0;
+    for (int r = 0; r < l->nq; r++) {
+        for (int n = 0; n < 16; n++)
+            for (int j = 0; j < l->q[r][1]; j++) idx[n * b + l->q[r][0] + j] = at + 64 * (j / 4) + 4 * n + j % 4;
+        at += 16 * l->q[r][1];
+    }
+    for (int f = 0; f < l->nf; f++) {
+        for (int n = 0; n < 16; n++)
+            for (int j = 0; j < l->f[f][1]; j++) idx[n * b + l->f[f][0] + j] = at + l->f[f][1] * n + j;
+        at += 16 * l->f[f][1];
+    }
+    return 0;
+}
+
 static inline int32_t dword_at(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
-static inline int quant_bytes(int64_t t) { return t == QT_Q8_0 ? 32 : 16; }
-static inline int has_m(int64_t t) { return t == QT_Q4_1 || t == QT_Q5_1; }
+/* Per type, constants the kernels fold: blocks of 32 per record, the record's field offsets. */
+static inline int k_type(int64_t t) { return t == QT_Q4_K || t == QT_Q5_K || t == QT_Q6_K; }
+static inline int chunks_of(int64_t t) { return k_type(t) ? 8 : 1; }
+static inline int signed_levels(int64_t t) { return t == QT_Q8_0 || t == QT_IQ4_NL; }
+static inline int has_m(int64_t t) { return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q4_K || t == QT_Q5_K; }
 static inline int has_qh(int64_t t) { return t == QT_Q5_0 || t == QT_Q5_1; }
-static inline int shift_of(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : 0; }
-/* Record offsets of the 16 rows' d, m and qh. */
-static inline int d_at(int64_t t) { return 16 * quant_bytes(t); }
-static inline int m_at(int64_t t) { return d_at(t) + 32; }
+static inline int gs_of(int64_t t) { return t == QT_Q6_K ? 16 : 32; }
+/* The unsigned levels' shift: taken back as shift x the group's activation sum. */
+static inline int shift_of(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : t == QT_Q6_K ? 32 : 0; }
+static inline int lines_bytes(int64_t t) {
+    switch (t) {
+        case QT_Q8_0: return 512;
+        case QT_Q4_K: return 2048;
+        case QT_Q5_K: return 2560;
+        case QT_Q6_K: return 3072;
+        default: return 256;
+    }
+}
+static inline int d_at(int64_t t) { return lines_bytes(t) + (t == QT_Q6_K ? 256 : 0); }
+static inline int m_at(int64_t t) { return d_at(t) + 32; } /* Q4_1 / Q5_1's m, K-quants' dmin */
 static inline int qh_at(int64_t t) { return d_at(t) + 32 + 32 * has_m(t); }
-/* Level vector j of a record (8 a record): the activations it multiplies start at this k. */
-static inline int k_of(int64_t t, int j) { return t == QT_Q8_0 ? 4 * j : (j & 1) * 16 + 4 * (j >> 1); }
+static inline int u_at(int64_t t) { return t == QT_Q6_K ? lines_bytes(t) : d_at(t) + 64; } /* K scale dwords */
 
+/* The same order as rows_portable (quant_q8_tiles.c), each row's blocks gathered back from the records. */
 static void packed_portable(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N) {
-    const int64_t nc = x->K / 32, RB = 16 * qt_bytes(type), groups = (N + 15) / 16;
-    const int off = has_m(type), shift = shift_of(type);
-    #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int n = 0; n < 16 && g * 16 + n < N; n++)
+    const int64_t K = x->K, b = qt_bytes(type), bpr = K / qt_block(type), RB = 16 * b;
+    const int gs = gs_of(type), offset = q8_has_offset(type);
+    int64_t idx[16 * 210];
+    q8_packed_index(type, idx);
+    #pragma omp parallel
+    {
+        uint8_t *row = malloc((size_t)(bpr * b));
+        int8_t *q = malloc((size_t)K);
+        float *a = malloc(sizeof(float) * (size_t)(K / 16)), *bb = malloc(sizeof(float) * (size_t)(K / 16));
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *g0 = w + (n / 16) * bpr * RB;
+            for (int64_t blk = 0; blk < bpr; blk++)
+                for (int64_t j = 0; j < b; j++) row[blk * b + j] = g0[blk * RB + idx[(n % 16) * b + j]];
+            q8_unpack_row(row, type, K, q, a, bb, 1);
             for (int64_t m = 0; m < M; m++) {
+                const int8_t *xq = x->q + m * K;
                 float acc = 0.f, o = 0.f;
-                for (int64_t c = 0; c < nc; c++) {
-                    const uint8_t *rec = w + (g * nc + c) * RB;
-                    const int8_t *xq = x->q + m * x->K + 32 * c;
-                    const uint32_t qh = has_qh(type) ? (uint32_t)dword_at(rec + qh_at(type) + 4 * n) : 0;
+                for (int64_t g = 0; g < x->ng; g++) {
                     int32_t s = 0;
-                    for (int k = 0; k < 32; k++) {
-                        int32_t q;
-                        if (type == QT_Q8_0) q = (int8_t)rec[64 * (k / 4) + 4 * n + k % 4];
-                        else {
-                            const uint8_t b = rec[64 * ((k % 16) / 4) + 4 * n + k % 4];
-                            q = (k < 16 ? b & 15 : b >> 4) | (int32_t)(((qh >> k) & 1) << 4);
-                        }
-                        s += q * xq[k];
-                    }
-                    if (shift) s -= shift * x->bsum[m * x->nb + c];
-                    const float t = qt_f16(rec + d_at(type) + 2 * n) * x->dx[m * x->nb + c];
-                    acc = fmaf((float)s, t, acc);
-                    if (off) o = fmaf(qt_f16(rec + m_at(type) + 2 * n), x->xsum[m * x->ng + c], o);
+                    for (int i = 0; i < gs; i++) s += (int32_t)q[g * gs + i] * xq[g * gs + i];
+                    acc = fmaf((float)s, a[g * gs / 16] * x->dx[m * x->nb + g * gs / 32], acc);
+                    if (offset) o = fmaf(bb[g * gs / 16], x->xsum[m * x->ng + g], o);
                 }
-                y[m * N + g * 16 + n] = off ? acc + o : acc;
+                y[m * N + n] = offset ? acc + o : acc;
             }
+        }
+        free(row); free(q); free(a); free(bb);
+    }
 }
 
 /* Weights stream from DRAM and the hardware prefetcher stops at each 4 KB page: ask for the group
- * two ahead, one record per block step, so its misses overlap the work. */
-static inline void prefetch_record(const uint8_t *p, int64_t RB) {
-    for (int64_t off = 0; off < RB; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T1);
+ * two ahead, a block's record a step, so its misses overlap the work. */
+static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T1);
 }
 
-/* The 8 level vectors of 8 lanes (rows 8h..8h+7) of a record: bytes 4i..4i+3 of lane n = levels
- * k_of(j) + i of row n. Q5's fifth bits: lane n's qh shifted so that its low byte (and byte 2)
- * holds the 4 bits of the line's low (high) nibbles, spread to bytes and tested. */
-__attribute__((target("avx2"), always_inline)) static inline void levels8(const uint8_t *rec, const int64_t type, int h,
-                                                                          __m256i *v) {
-    const __m256i low = _mm256_set1_epi8(15);
-    if (type == QT_Q8_0) {
-        for (int L = 0; L < 8; L++) v[L] = _mm256_loadu_si256((const __m256i *)(rec + 64 * L + 32 * h));
-        return;
-    }
-    const __m256i qh = has_qh(type) ? _mm256_loadu_si256((const __m256i *)(rec + qh_at(type) + 32 * h)) : _mm256_setzero_si256();
-    const __m256i sel = _mm256_set1_epi32(0x08040201),
-                  lo_idx = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
-                                            8, 8, 8, 8, 12, 12, 12, 12),
-                  hi_idx = _mm256_add_epi8(lo_idx, _mm256_set1_epi8(2)), sixteen = _mm256_set1_epi8(16);
-    for (int L = 0; L < 4; L++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * L + 32 * h));
-        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        if (has_qh(type)) {
-            const __m256i t = _mm256_srli_epi32(qh, 4 * L);
-            const __m256i tl = _mm256_and_si256(_mm256_shuffle_epi8(t, lo_idx), sel);
-            const __m256i th = _mm256_and_si256(_mm256_shuffle_epi8(t, hi_idx), sel);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(tl, sel), sixteen));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(th, sel), sixteen));
+#define ISA_512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+
+/* The 8 level vectors of 32-block chunk c of a record with 16 lanes: bytes 4i..4i+3 of lane n are
+ * levels k_at(T, j) + i of row n. */
+static inline int k_at(int64_t t, int j) { return t == QT_Q8_0 || k_type(t) ? 4 * j : (j & 1) * 16 + 4 * (j >> 1); }
+
+__attribute__((target(ISA_512), always_inline)) static inline void levels16(const uint8_t *rec, const int64_t T, int c,
+                                                                            __m512i *v) {
+    const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
+    if (T == QT_Q8_0) {
+        for (int L = 0; L < 8; L++) v[L] = _mm512_loadu_si512(rec + 64 * L);
+    } else if (T == QT_Q4_K || T == QT_Q5_K) { /* 32-byte pairs: chunk 2p's low nibbles, 2p + 1's high */
+        for (int L = 0; L < 8; L++) {
+            const __m512i raw = _mm512_loadu_si512(rec + 64 * (8 * (c / 2) + L));
+            v[L] = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(raw, 4) : raw, low);
+            if (T == QT_Q5_K) { /* bit c of qh byte l: element 32c + l's fifth bit */
+                const __m512i qh = _mm512_loadu_si512(rec + 2048 + 64 * L);
+                v[L] = _mm512_or_si512(v[L], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, c), one), 4));
+            }
         }
-        v[2 * L] = lo;
-        v[2 * L + 1] = hi;
+    } else if (T == QT_Q6_K) { /* element half * 128 + s * 32 + l, as levels_k */
+        const int half = c / 4, s = c % 4;
+        for (int L = 0; L < 8; L++) {
+            const __m512i l = _mm512_loadu_si512(rec + 64 * (16 * half + 8 * (s % 2) + L));
+            const __m512i h = _mm512_loadu_si512(rec + 64 * (32 + 8 * half + L));
+            v[L] = _mm512_or_si512(_mm512_and_si512(s < 2 ? l : _mm512_srli_epi16(l, 4), low),
+                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * s), three), 4));
+        }
+    } else { /* 32-blocks of nibbles: line L's low nibbles are weights 4L.., its high ones 16 + 4L.. */
+        const __m512i sixteen = _mm512_set1_epi8(16), sel = _mm512_set1_epi32(0x08040201);
+        const __m512i qh = has_qh(T) ? _mm512_loadu_si512(rec + qh_at(T)) : _mm512_setzero_si512();
+        const __m512i lo_idx = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000),
+                      hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(2));
+        const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_IQ4));
+        for (int L = 0; L < 4; L++) {
+            const __m512i raw = _mm512_loadu_si512(rec + 64 * L);
+            __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            if (has_qh(T)) { /* lane n's qh shifted: its byte 0 (2) holds the line's low (high) 4 bits */
+                const __m512i t = _mm512_srli_epi32(qh, 4 * L);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(t, lo_idx), sel), sixteen));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(t, hi_idx), sel), sixteen));
+            }
+            if (T == QT_IQ4_NL) lo = _mm512_shuffle_epi8(tab, lo), hi = _mm512_shuffle_epi8(tab, hi);
+            v[2 * L] = lo;
+            v[2 * L + 1] = hi;
+        }
     }
 }
 
-/* Rows [m0, m0 + MR) of one group with 8 lanes (half h: rows 8h..8h+7 of the group). maddubs's
- * int16 pairs are summed `flush` vectors at a time (as many as an int16 holds: 8 x 2 x 15 x 127
- * for 4-bit levels, 4 for 5-bit) before madd widens them; Q8_0 through |w| and x with w's sign.
- * AVX-VNNI's dpbusd takes Q8_0 against the activations plus 128, less 128 times the levels' sum.
- * One activation row takes both halves in one pass (the group read once, in address order). */
+/* Chunk c's scales with 16 lanes: A[0] (A[1]: Q6_K's second 16-group) and the offset B, as
+ * levels32 / kscales8 compute them. */
+__attribute__((target(ISA_512), always_inline)) static inline void scales16(const uint8_t *rec, const int64_t T, int c,
+                                                                            __m512 *A, __m512 *B) {
+    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_at(T))));
+    if (T == QT_Q4_K || T == QT_Q5_K) {
+        const __m512i u0 = _mm512_loadu_si512(rec + u_at(T)), u1 = _mm512_loadu_si512(rec + u_at(T) + 64),
+                      u2 = _mm512_loadu_si512(rec + u_at(T) + 128);
+        const __m512i m6 = _mm512_set1_epi8(63), m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30),
+                      ff = _mm512_set1_epi32(0xff);
+        const __m512i sc = c < 4 ? _mm512_and_si512(u0, m6)
+                                 : _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), m30));
+        const __m512i mn = c < 4 ? _mm512_and_si512(u1, m6)
+                                 : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u1, 2), m30));
+        const __m512 fs = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc, 8 * (c % 4)), ff));
+        const __m512 fm = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn, 8 * (c % 4)), ff));
+        const __m512 DMIN = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
+        A[0] = _mm512_mul_ps(D, fs);
+        *B = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(DMIN, fm)), _mm512_set1_epi32((int)0x80000000)));
+    } else if (T == QT_Q6_K) { /* the int8 scales of 16-groups 2c and 2c + 1 */
+        const __m512i u = _mm512_loadu_si512(rec + u_at(T) + 64 * (c / 2));
+        const int b0 = 2 * (c % 2);
+        A[0] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 24 - 8 * b0), 24)));
+        A[1] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 16 - 8 * b0), 24)));
+    } else {
+        A[0] = D;
+        if (has_m(T)) *B = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
+    }
+}
+
+/* Rows [m0, m0 + MR) of one group with 16 lanes and AVX-512 VNNI's dpbusd: unsigned levels against
+ * the activations, signed ones (Q8_0, IQ4_NL) against the activations plus 128, less 128 times the
+ * levels' sum. */
+__attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
+        const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR, int64_t N,
+        int nr, const int64_t T, const uint8_t *ahead) {
+    const int64_t K = x->K;
+    const int OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
+    const __m512i ones8 = _mm512_set1_epi8(1);
+    __m512 acc[R], o[R];
+    for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < nrec; e++) {
+        const uint8_t *rec = g0 + e * RB;
+        if (ahead) prefetch_span(ahead + e * RB, RB);
+        for (int c = 0; c < CH; c++) {
+            const int64_t blk = e * CH + c;
+            __m512i v[8], w128 = _mm512_setzero_si512();
+            __m512 A[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, B = _mm512_setzero_ps();
+            levels16(rec, T, c, v);
+            scales16(rec, T, c, A, &B);
+            if (signed_levels(T)) {
+                for (int j = 0; j < 8; j++) w128 = _mm512_dpbusd_epi32(w128, ones8, v[j]);
+                w128 = _mm512_slli_epi32(w128, 7);
+            }
+            for (int r = 0; r < MR; r++) {
+                const int64_t m = m0 + r;
+                const int8_t *xq = x->q + m * K + 32 * blk;
+                const uint8_t *xu = x->u + m * K + 32 * blk;
+                __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                for (int j = 0; j < 8; j++) {
+                    const int g = G2 && j >= 4;
+                    s[g] = signed_levels(T) ? _mm512_dpbusd_epi32(s[g], _mm512_set1_epi32(dword_at(xu + k_at(T, j))), v[j])
+                                            : _mm512_dpbusd_epi32(s[g], v[j], _mm512_set1_epi32(dword_at(xq + k_at(T, j))));
+                }
+                if (signed_levels(T)) s[0] = _mm512_sub_epi32(s[0], w128);
+                const __m512 dx = _mm512_set1_ps(x->dx[m * x->nb + blk]);
+                for (int g = 0; g <= G2; g++) {
+                    __m512i si = s[g];
+                    if (SH) si = _mm512_sub_epi32(si, _mm512_set1_epi32(SH * x->bsum[G2 ? m * (K / 16) + 2 * blk + g : m * x->nb + blk]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(A[g], dx), acc[r]);
+                }
+                if (OFF) o[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(x->xsum[m * x->ng + blk]), o[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        _mm512_mask_storeu_ps(y + (m0 + r) * N, (__mmask16)((1u << nr) - 1), OFF ? _mm512_add_ps(acc[r], o[r]) : acc[r]);
+}
+
+/* levels16 with 8 lanes: rows 8h..8h+7 of the group. */
+__attribute__((target("avx2"), always_inline)) static inline void levels8(const uint8_t *rec, const int64_t T, int c, int h,
+                                                                          __m256i *v) {
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+    rec += 32 * h;
+    if (T == QT_Q8_0) {
+        for (int L = 0; L < 8; L++) v[L] = _mm256_loadu_si256((const __m256i *)(rec + 64 * L));
+    } else if (T == QT_Q4_K || T == QT_Q5_K) {
+        for (int L = 0; L < 8; L++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * (8 * (c / 2) + L)));
+            v[L] = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, low);
+            if (T == QT_Q5_K) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(rec + 2048 + 64 * L));
+                v[L] = _mm256_or_si256(v[L], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, c), one), 4));
+            }
+        }
+    } else if (T == QT_Q6_K) {
+        const int half = c / 4, s = c % 4;
+        for (int L = 0; L < 8; L++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(rec + 64 * (16 * half + 8 * (s % 2) + L)));
+            const __m256i hq = _mm256_loadu_si256((const __m256i *)(rec + 64 * (32 + 8 * half + L)));
+            v[L] = _mm256_or_si256(_mm256_and_si256(s < 2 ? l : _mm256_srli_epi16(l, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hq, 2 * s), three), 4));
+        }
+    } else {
+        const __m256i sixteen = _mm256_set1_epi8(16), sel = _mm256_set1_epi32(0x08040201);
+        const __m256i qh = has_qh(T) ? _mm256_loadu_si256((const __m256i *)(rec + qh_at(T))) : _mm256_setzero_si256();
+        const __m256i lo_idx = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                                8, 8, 8, 8, 12, 12, 12, 12),
+                      hi_idx = _mm256_add_epi8(lo_idx, _mm256_set1_epi8(2));
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4));
+        for (int L = 0; L < 4; L++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * L));
+            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            if (has_qh(T)) {
+                const __m256i t = _mm256_srli_epi32(qh, 4 * L);
+                const __m256i tl = _mm256_and_si256(_mm256_shuffle_epi8(t, lo_idx), sel);
+                const __m256i th = _mm256_and_si256(_mm256_shuffle_epi8(t, hi_idx), sel);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(tl, sel), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(th, sel), sixteen));
+            }
+            if (T == QT_IQ4_NL) lo = _mm256_shuffle_epi8(tab, lo), hi = _mm256_shuffle_epi8(tab, hi);
+            v[2 * L] = lo;
+            v[2 * L + 1] = hi;
+        }
+    }
+}
+
+/* scales16 with 8 lanes. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scales8(const uint8_t *rec, const int64_t T,
+                                                                                   int c, int h, __m256 *A, __m256 *B) {
+    const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(T) + 16 * h)));
+    if (T == QT_Q4_K || T == QT_Q5_K) {
+        const uint8_t *u = rec + u_at(T) + 32 * h;
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 64)),
+                      u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
+        const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30),
+                      ff = _mm256_set1_epi32(0xff);
+        const __m256i sc = c < 4 ? _mm256_and_si256(u0, m6)
+                                 : _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30));
+        const __m256i mn = c < 4 ? _mm256_and_si256(u1, m6)
+                                 : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                                   _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30));
+        const __m256 fs = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc, 8 * (c % 4)), ff));
+        const __m256 fm = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn, 8 * (c % 4)), ff));
+        const __m256 DMIN = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
+        A[0] = _mm256_mul_ps(D, fs);
+        *B = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), _mm256_set1_ps(-0.f));
+    } else if (T == QT_Q6_K) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(rec + u_at(T) + 64 * (c / 2) + 32 * h));
+        const int b0 = 2 * (c % 2);
+        A[0] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(u, 24 - 8 * b0), 24)));
+        A[1] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(u, 16 - 8 * b0), 24)));
+    } else {
+        A[0] = D;
+        if (has_m(T)) *B = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
+    }
+}
+
+/* The largest unsigned level of a type: how many maddubs results an int16 lane can add (two
+ * products each, activations up to 127) before madd widens them. */
+static inline int flush_of(int64_t t) { return t == QT_Q6_K ? 2 : t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K ? 4 : 8; }
+
+/* packed16_of with 8 lanes: maddubs's int16 pairs, `flush` vectors at a time, then one madd;
+ * signed levels through |w| and x with w's sign; or AVX-VNNI's dpbusd as packed16_of. One
+ * activation row takes both halves in one pass (the group read once, in address order). */
 #define PACKED8(name, isa, VNNI)                                                                                \
     __attribute__((target(isa), always_inline)) static inline void name##_of(                                   \
-            const uint8_t *g0, int64_t nc, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR,     \
+            const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR,   \
             int64_t N, int nr, const int64_t T, const uint8_t *ahead) {                                          \
         const int64_t K = x->K;                                                                                \
-        const int HS = MR == 1 ? 2 : 1, OFF = has_m(T), SHIFT = shift_of(T), FLUSH = has_qh(T) ? 4 : 8;        \
+        const int HS = MR == 1 ? 2 : 1, OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16; \
+        const int FL = flush_of(T);                                                                            \
         const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);                              \
         for (int h0 = 0; h0 < 2 && 8 * h0 < nr; h0 += HS) {                                                    \
             __m256 acc[2][R], o[2][R];                                                                         \
             for (int hh = 0; hh < HS; hh++)                                                                    \
                 for (int r = 0; r < MR; r++) acc[hh][r] = o[hh][r] = _mm256_setzero_ps();                      \
-            for (int64_t c = 0; c < nc; c++) {                                                                 \
-                const uint8_t *rec = g0 + c * RB;                                                              \
-                if (ahead && h0 == 0) prefetch_record(ahead + c * RB, RB);                                     \
-                for (int hh = 0; hh < HS; hh++) {                                                              \
-                    const int h = h0 + hh;                                                                     \
-                    __m256i v[8], w128 = _mm256_setzero_si256();                                               \
-                    levels8(rec, T, h, v);                                                                     \
-                    if (VNNI && T == QT_Q8_0) {                                                                \
-                        for (int j = 0; j < 8; j++) w128 = _mm256_dpbusd_avx_epi32(w128, ones8, v[j]);         \
-                        w128 = _mm256_slli_epi32(w128, 7);                                                     \
-                    }                                                                                          \
-                    const __m256 A = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(T) + 16 * h))); \
-                    const __m256 B = OFF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h))) \
-                                         : _mm256_setzero_ps();                                                \
-                    for (int r = 0; r < MR; r++) {                                                             \
-                        const int64_t m = m0 + r;                                                              \
-                        const int8_t *xq = x->q + m * K + 32 * c;                                              \
-                        __m256i s = _mm256_setzero_si256();                                                    \
-                        if (VNNI && T == QT_Q8_0) {                                                            \
-                            const uint8_t *xu = x->u + m * K + 32 * c;                                         \
-                            for (int j = 0; j < 8; j++)                                                        \
-                                s = _mm256_dpbusd_avx_epi32(s, _mm256_set1_epi32(dword_at(xu + 4 * j)), v[j]);  \
-                            s = _mm256_sub_epi32(s, w128);                                                     \
-                        } else if (VNNI) {                                                                     \
-                            for (int j = 0; j < 8; j++)                                                        \
-                                s = _mm256_dpbusd_avx_epi32(s, v[j], _mm256_set1_epi32(dword_at(xq + k_of(T, j)))); \
-                        } else if (T == QT_Q8_0) {                                                             \
-                            for (int j = 0; j < 8; j++) {                                                      \
-                                const __m256i xb = _mm256_set1_epi32(dword_at(xq + 4 * j));                    \
-                                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(                \
-                                        _mm256_abs_epi8(v[j]), _mm256_sign_epi8(xb, v[j])), ones16));          \
-                            }                                                                                  \
-                        } else {                                                                               \
-                            for (int j0 = 0; j0 < 8; j0 += FLUSH) {                                            \
-                                __m256i s16 = _mm256_setzero_si256();                                          \
-                                for (int j = j0; j < j0 + FLUSH; j++)                                          \
-                                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(                          \
-                                            v[j], _mm256_set1_epi32(dword_at(xq + k_of(T, j)))));              \
-                                s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones16));                       \
-                            }                                                                                  \
+            for (int64_t e = 0; e < nrec; e++) {                                                               \
+                const uint8_t *rec = g0 + e * RB;                                                              \
+                if (ahead && h0 == 0) prefetch_span(ahead + e * RB, RB);                                       \
+                for (int c = 0; c < CH; c++)                                                                   \
+                    for (int hh = 0; hh < HS; hh++) {                                                          \
+                        const int h = h0 + hh;                                                                 \
+                        const int64_t blk = e * CH + c;                                                        \
+                        __m256i v[8], w128 = _mm256_setzero_si256();                                           \
+                        __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, B = _mm256_setzero_ps();     \
+                        levels8(rec, T, c, h, v);                                                              \
+                        scales8(rec, T, c, h, A, &B);                                                          \
+                        if (VNNI && signed_levels(T)) {                                                        \
+                            for (int j = 0; j < 8; j++) w128 = _mm256_dpbusd_avx_epi32(w128, ones8, v[j]);     \
+                            w128 = _mm256_slli_epi32(w128, 7);                                                 \
                         }                                                                                      \
-                        if (SHIFT) s = _mm256_sub_epi32(s, _mm256_set1_epi32(SHIFT * x->bsum[m * x->nb + c])); \
-                        const __m256 sc = _mm256_mul_ps(A, _mm256_set1_ps(x->dx[m * x->nb + c]));             \
-                        acc[hh][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[hh][r]);                   \
-                        if (OFF) o[hh][r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[m * x->ng + c]), o[hh][r]); \
+                        for (int r = 0; r < MR; r++) {                                                         \
+                            const int64_t m = m0 + r;                                                          \
+                            const int8_t *xq = x->q + m * K + 32 * blk;                                        \
+                            const uint8_t *xu = x->u + m * K + 32 * blk;                                       \
+                            __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, s16 = _mm256_setzero_si256();       \
+                            for (int j = 0; j < 8; j++) {                                                      \
+                                const int g = G2 && j >= 4;                                                    \
+                                const __m256i xb = _mm256_set1_epi32(dword_at(xq + k_at(T, j)));               \
+                                if (VNNI && signed_levels(T))                                                  \
+                                    s[g] = _mm256_dpbusd_avx_epi32(s[g], _mm256_set1_epi32(dword_at(xu + k_at(T, j))), v[j]); \
+                                else if (VNNI) s[g] = _mm256_dpbusd_avx_epi32(s[g], v[j], xb);                  \
+                                else if (signed_levels(T))                                                     \
+                                    s[g] = _mm256_add_epi32(s[g], _mm256_madd_epi16(_mm256_maddubs_epi16(      \
+                                            _mm256_abs_epi8(v[j]), _mm256_sign_epi8(xb, v[j])), ones16));     \
+                                else {                                                                         \
+                                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[j], xb));               \
+                                    if ((j + 1) % FL == 0) {                                                   \
+                                        s[g] = _mm256_add_epi32(s[g], _mm256_madd_epi16(s16, ones16));         \
+                                        s16 = _mm256_setzero_si256();                                          \
+                                    }                                                                          \
+                                }                                                                              \
+                            }                                                                                  \
+                            if (VNNI && signed_levels(T)) s[0] = _mm256_sub_epi32(s[0], w128);                 \
+                            const __m256 dx = _mm256_set1_ps(x->dx[m * x->nb + blk]);                          \
+                            for (int g = 0; g <= G2; g++) {                                                    \
+                                __m256i si = s[g];                                                             \
+                                if (SH) si = _mm256_sub_epi32(si, _mm256_set1_epi32(                           \
+                                        SH * x->bsum[G2 ? m * (K / 16) + 2 * blk + g : m * x->nb + blk]));     \
+                                acc[hh][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(A[g], dx), acc[hh][r]); \
+                            }                                                                                  \
+                            if (OFF) o[hh][r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[m * x->ng + blk]), o[hh][r]); \
+                        }                                                                                      \
                     }                                                                                          \
-                }                                                                                              \
             }                                                                                                  \
             for (int hh = 0; hh < HS; hh++) {                                                                  \
                 const int h = h0 + hh, cols = nr - 8 * h < 8 ? nr - 8 * h : 8;                                 \
@@ -189,72 +431,6 @@ __attribute__((target("avx2"), always_inline)) static inline void levels8(const 
 PACKED8(packed8_avx2, "avx2,fma,f16c", 0)
 PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
 
-#define ISA_512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
-/* levels8's 16 lanes: a whole group per vector; the fifth bits through byte masks. */
-__attribute__((target(ISA_512), always_inline)) static inline void levels16(const uint8_t *rec, const int64_t type,
-                                                                            __m512i *v) {
-    if (type == QT_Q8_0) {
-        for (int L = 0; L < 8; L++) v[L] = _mm512_loadu_si512(rec + 64 * L);
-        return;
-    }
-    const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16), sel = _mm512_set1_epi32(0x08040201);
-    const __m512i qh = has_qh(type) ? _mm512_loadu_si512(rec + qh_at(type)) : _mm512_setzero_si512();
-    const __m512i lo_idx = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000),
-                  hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(2));
-    for (int L = 0; L < 4; L++) {
-        const __m512i raw = _mm512_loadu_si512(rec + 64 * L);
-        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        if (has_qh(type)) {
-            const __m512i t = _mm512_srli_epi32(qh, 4 * L);
-            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(t, lo_idx), sel), sixteen));
-            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(t, hi_idx), sel), sixteen));
-        }
-        v[2 * L] = lo;
-        v[2 * L + 1] = hi;
-    }
-}
-
-/* The 8-lane pass with 16 lanes and AVX-512 VNNI's dpbusd. */
-__attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
-        const uint8_t *g0, int64_t nc, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR, int64_t N,
-        int nr, const int64_t T, const uint8_t *ahead) {
-    const int64_t K = x->K;
-    const int OFF = has_m(T), SHIFT = shift_of(T);
-    const __m512i ones8 = _mm512_set1_epi8(1);
-    __m512 acc[R], o[R];
-    for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < nc; c++) {
-        const uint8_t *rec = g0 + c * RB;
-        if (ahead) prefetch_record(ahead + c * RB, RB);
-        __m512i v[8], w128 = _mm512_setzero_si512();
-        levels16(rec, T, v);
-        if (T == QT_Q8_0) {
-            for (int j = 0; j < 8; j++) w128 = _mm512_dpbusd_epi32(w128, ones8, v[j]);
-            w128 = _mm512_slli_epi32(w128, 7);
-        }
-        const __m512 A = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_at(T))));
-        const __m512 B = OFF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T)))) : _mm512_setzero_ps();
-        for (int r = 0; r < MR; r++) {
-            const int64_t m = m0 + r;
-            __m512i s = _mm512_setzero_si512();
-            if (T == QT_Q8_0) {
-                const uint8_t *xu = x->u + m * K + 32 * c;
-                for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(dword_at(xu + 4 * j)), v[j]);
-                s = _mm512_sub_epi32(s, w128);
-            } else {
-                const int8_t *xq = x->q + m * K + 32 * c;
-                for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, v[j], _mm512_set1_epi32(dword_at(xq + k_of(T, j))));
-            }
-            if (SHIFT) s = _mm512_sub_epi32(s, _mm512_set1_epi32(SHIFT * x->bsum[m * x->nb + c]));
-            const __m512 sc = _mm512_mul_ps(A, _mm512_set1_ps(x->dx[m * x->nb + c]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[r]);
-            if (OFF) o[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(x->xsum[m * x->ng + c]), o[r]);
-        }
-    }
-    for (int r = 0; r < MR; r++)
-        _mm512_mask_storeu_ps(y + (m0 + r) * N, (__mmask16)((1u << nr) - 1), OFF ? _mm512_add_ps(acc[r], o[r]) : acc[r]);
-}
-
 /* Each (rows, type) pass compiled with both constant, so the loops unroll and the type's branches fold. */
 #define PACKED_ROWS(CALL, T)                                                                         \
     switch (mr) {                                                                                    \
@@ -265,29 +441,31 @@ __attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
     switch (type) {                                                                                  \
         case QT_Q4_0: PACKED_ROWS(CALL, QT_Q4_0); break; case QT_Q4_1: PACKED_ROWS(CALL, QT_Q4_1); break; \
         case QT_Q5_0: PACKED_ROWS(CALL, QT_Q5_0); break; case QT_Q5_1: PACKED_ROWS(CALL, QT_Q5_1); break; \
-        default: PACKED_ROWS(CALL, QT_Q8_0); break;                                                  \
+        case QT_Q8_0: PACKED_ROWS(CALL, QT_Q8_0); break; case QT_IQ4_NL: PACKED_ROWS(CALL, QT_IQ4_NL); break; \
+        case QT_Q4_K: PACKED_ROWS(CALL, QT_Q4_K); break; case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; \
+        default: PACKED_ROWS(CALL, QT_Q6_K); break;                                                  \
     }
 #define PACKED_PASS(name, fn, isa)                                                                                \
-    __attribute__((target(isa))) static void name(const uint8_t *g0, int64_t nc, int64_t RB, const xrows_t *x,    \
+    __attribute__((target(isa))) static void name(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,  \
                                                   float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,  \
                                                   const uint8_t *ahead) {                                         \
         PACKED_CASES(fn##_CALL)                                                                                   \
     }
-#define packed8_avx2_of_CALL(MR, T) packed8_avx2_of(g0, nc, RB, x, y, m0, MR, N, nr, T, ahead)
-#define packed8_avxvnni_of_CALL(MR, T) packed8_avxvnni_of(g0, nc, RB, x, y, m0, MR, N, nr, T, ahead)
-#define packed16_of_CALL(MR, T) packed16_of(g0, nc, RB, x, y, m0, MR, N, nr, T, ahead)
+#define packed8_avx2_of_CALL(MR, T) packed8_avx2_of(g0, nrec, RB, x, y, m0, MR, N, nr, T, ahead)
+#define packed8_avxvnni_of_CALL(MR, T) packed8_avxvnni_of(g0, nrec, RB, x, y, m0, MR, N, nr, T, ahead)
+#define packed16_of_CALL(MR, T) packed16_of(g0, nrec, RB, x, y, m0, MR, N, nr, T, ahead)
 PACKED_PASS(packed_avx2, packed8_avx2_of, "avx2,fma,f16c")
 PACKED_PASS(packed_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni")
 PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512)
 
-typedef void (*pass_fn)(const uint8_t *g0, int64_t nc, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr,
+typedef void (*pass_fn)(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr,
                         int64_t N, int nr, int64_t type, const uint8_t *ahead);
 
-/* What q8_packed_gemm needs of the activations: want_u, want_sum, want_bsum of q8_quantize_rows. */
-void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *want_bsum) {
-    *want_u = type == QT_Q8_0 && (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI);
+/* What q8_packed_gemm needs of the activations (q8_quantize_rows's flags; bsum per 16 for Q6_K). */
+void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs) {
+    *want_u = signed_levels(type) && (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI);
     *want_sum = has_m(type);
-    *want_bsum = shift_of(type) != 0;
+    *bsum_gs = shift_of(type) ? gs_of(type) : 0;
 }
 
 /* y[M, N] = x @ w^T for a packed weight w, x quantized as q8_packed_needs says. */
@@ -299,12 +477,12 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
     /* AVX-512BW without VNNI: the 8-lane maddubs pass (a 16-lane one is not measured to win). */
     static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni};
     const pass_fn run = PASS[isa];
-    const int64_t nc = x->K / 32, RB = 16 * qt_bytes(type), GB = nc * RB, groups = (N + 15) / 16;
+    const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
         for (int64_t m0 = 0; m0 < M; m0 += R)
-            run(w + g * GB, nc, RB, x, y + g * 16, m0, M - m0 < R ? (int)(M - m0) : R, N, nr, type,
+            run(w + g * GB, nrec, RB, x, y + g * 16, m0, M - m0 < R ? (int)(M - m0) : R, N, nr, type,
                 m0 == 0 && g + 2 < groups ? w + (g + 2) * GB : NULL);
     }
 }

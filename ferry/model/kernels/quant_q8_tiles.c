@@ -38,13 +38,13 @@ static inline int32_t dword_at(const void *p) {
 
 /* M activation rows quantized (quant_q8.h). */
 void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
-                      int want_bsum, xrows_t *r) {
+                      int bsum_gs, xrows_t *r) {
     r->K = K, r->nb = K / 32, r->ng = K / gs;
     r->q = malloc((size_t)(M * K));
     r->u = malloc((size_t)(M * K));
     r->dx = malloc(sizeof(float) * (size_t)(M * r->nb));
     r->xsum = malloc(sizeof(float) * (size_t)(M * r->ng));
-    r->bsum = want_bsum ? malloc(sizeof(int32_t) * (size_t)(M * r->nb)) : NULL;
+    r->bsum = bsum_gs ? malloc(sizeof(int32_t) * (size_t)(M * (K / bsum_gs))) : NULL;
     #pragma omp parallel for schedule(static) if (M > 4)
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = r->q + m * K;
@@ -56,10 +56,10 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable
             for (int i = 0; i < gs; i++) s += q[g * gs + i];
             r->xsum[m * r->ng + g] = r->dx[m * r->nb + g * gs / 32] * (float)s;
         }
-        for (int64_t blk = 0; want_bsum && blk < r->nb; blk++) {
+        for (int64_t blk = 0; bsum_gs && blk < K / bsum_gs; blk++) {
             int32_t s = 0;
-            for (int i = 0; i < 32; i++) s += q[blk * 32 + i];
-            r->bsum[m * r->nb + blk] = s;
+            for (int i = 0; i < bsum_gs; i++) s += q[blk * bsum_gs + i];
+            r->bsum[m * (K / bsum_gs) + blk] = s;
         }
     }
 }
@@ -565,9 +565,9 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
         type &= ~(int64_t)FERRY_QT_PACKED;
         if (M == 0) return;
         xrows_t xr;
-        int want_u, want_sum, want_bsum;
-        q8_packed_needs(type, isa, &want_u, &want_sum, &want_bsum);
-        q8_quantize_rows(x, M, K, 32, isa == ISA_PORTABLE, want_u, want_sum, want_bsum, &xr);
+        int want_u, want_sum, bsum_gs;
+        q8_packed_needs(type, isa, &want_u, &want_sum, &bsum_gs);
+        q8_quantize_rows(x, M, K, group_size(type), isa == ISA_PORTABLE, want_u, want_sum, bsum_gs, &xr);
         q8_packed_gemm(w, type, &xr, y, M, N, isa);
         q8_free_rows(&xr);
         return;
@@ -577,7 +577,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     if (M == 0) return;
     const int vnni = isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI;
     xrows_t xr;
-    q8_quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, M == 1 && level_shift(type), &xr);
+    q8_quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, M == 1 && level_shift(type) ? 32 : 0, &xr);
     if (isa == ISA_PORTABLE) {
         rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
         q8_free_rows(&xr);
