@@ -86,6 +86,14 @@ def test_packed_picks_q8_32_block_weights_and_nothing_else():
         pack_rows16(iq4xs)
     with pytest.raises(ValueError, match="only unpacked"):
         pack_rows16(packed(q41))
+    from ferry.model.quant import cat_rows
+    from ferry.model.tensor_parallel import shard_cols, shard_rows
+
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        cat_rows([packed(q41), q41])
+    for cut in (shard_rows, shard_cols):
+        with pytest.raises(ValueError, match="cannot be sharded"):
+            cut(packed(q41), 0, 32 if cut is shard_cols else 8)
 
 
 def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monkeypatch, parity_prompts):

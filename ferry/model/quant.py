@@ -258,6 +258,8 @@ def cat_rows(ws: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight
     """Stack weights along the output dimension (fused qkv, gate+up): one QuantWeight where they
     share a type, a RowStack of runs of one type where quantized types differ (kept in their blocks:
     a float32 copy would be 5-8x their size), float32 when some are float."""
+    if any(isinstance(w, QuantWeight) and w.packed for w in ws):
+        raise ValueError("weights packed by 16 rows cannot be stacked: stack them before packing")
     if all(isinstance(w, QuantWeight) for w in ws):
         runs = [list(run) for _, run in groupby(ws, key=lambda w: w.kernel_type)]
         parts = [QuantWeight(torch.cat([w.data for w in run]).contiguous(), run[0].qtype,

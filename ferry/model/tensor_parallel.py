@@ -25,8 +25,15 @@ from ferry.model.shard_plan import ShardPlan, split
 Weight = torch.Tensor | QuantWeight
 
 
+def _file_layout(w: Weight) -> None:
+    """Cuts slice the file's blocks: a weight packed by 16 rows (quant.pack_rows16) is cut before packing."""
+    if isinstance(w, QuantWeight) and w.packed:
+        raise ValueError("a weight packed by 16 rows cannot be sharded: shard it before packing")
+
+
 def shard_rows(w: Weight, start: int, end: int) -> Weight:
     """Output rows [start, end) of a [N, K] weight (or a bias)."""
+    _file_layout(w)
     if isinstance(w, QuantWeight):
         return QuantWeight(w.data[start:end].contiguous(), w.qtype, (end - start, w.shape[1]), w.activations)
     return w[start:end].contiguous()
@@ -35,6 +42,7 @@ def shard_rows(w: Weight, start: int, end: int) -> Weight:
 def shard_cols(w: Weight, start: int, end: int) -> Weight:
     """Input columns [start, end) of a [N, K] weight. A quantized weight stays quantized when the
     cut falls on its blocks (32 weights, 256 for K-quants); otherwise that shard is dequantized."""
+    _file_layout(w)
     if isinstance(w, QuantWeight):
         qk, per_block = w.kind.block, w.kind.nbytes
         if start % qk == 0 and end % qk == 0:

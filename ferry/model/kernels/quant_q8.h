@@ -28,6 +28,6 @@ void q8_free_rows(xrows_t *r);
 /* y[M, N] = x @ w^T, w a 32-block weight packed by 16 rows (quant_q8_packed.c), x quantized with
  * what q8_packed_needs says. */
 void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs);
-int64_t q8_packed_index(int64_t type, int64_t *idx);
+int64_t q8_packed_index(int64_t type, int64_t *idx); /* idx NULL: 0 when type is packed, else -1 */
 void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N, int64_t isa);
 #endif

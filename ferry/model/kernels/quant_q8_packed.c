@@ -59,6 +59,7 @@ static const layout_t *layout_of(int64_t type) {
 int64_t q8_packed_index(int64_t type, int64_t *idx) {
     const layout_t *l = layout_of(type);
     if (!l) return -1;
+    if (!idx) return 0; /* only asked whether type is packed */
     const int64_t b = qt_bytes(type);
     int64_t at = 0;
     for (int r = 0; r < l->nq; r++) {

@@ -563,7 +563,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     const int64_t isa = quant_q8_isa(-2);
     if (type & FERRY_QT_PACKED) {
         type &= ~(int64_t)FERRY_QT_PACKED;
-        if (M == 0) return;
+        if (M == 0 || q8_packed_index(type, NULL) < 0) return; /* Python packs only the table's types */
         xrows_t xr;
         int want_u, want_sum, bsum_gs;
         q8_packed_needs(type, isa, &want_u, &want_sum, &bsum_gs);
