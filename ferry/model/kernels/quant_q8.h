@@ -25,6 +25,9 @@ typedef struct {
 void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
                       int bsum_gs, xrows_t *r);
 void q8_free_rows(xrows_t *r);
+/* The portable q8 products of file-layout rows, one weight row and one activation row at a time. */
+void q8_rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y, int64_t M,
+                      int64_t N);
 /* y[M, N] = x @ w^T, w a 32-block weight packed by 16 rows (quant_q8_packed.c), x quantized with
  * what q8_packed_needs says. */
 void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs);

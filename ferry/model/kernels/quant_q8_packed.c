@@ -104,37 +104,20 @@ static inline int m_at(int64_t t) { return d_at(t) + 32; } /* Q4_1 / Q5_1's m, K
 static inline int qh_at(int64_t t) { return d_at(t) + 32 + 32 * has_m(t); }
 static inline int u_at(int64_t t) { return t == QT_Q6_K ? lines_bytes(t) : d_at(t) + 64; } /* K scale dwords */
 
-/* The same order as rows_portable (quant_q8_tiles.c), each row's blocks gathered back from the records. */
+/* The portable variant: the rows gathered back into the file's blocks, then quant_q8_tiles.c's
+ * portable products (a reference path: the copy costs nothing that matters). */
 static void packed_portable(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N) {
-    const int64_t K = x->K, b = qt_bytes(type), bpr = K / qt_block(type), RB = 16 * b;
-    const int gs = gs_of(type), offset = q8_has_offset(type);
-    int64_t idx[16 * 210];
+    const int64_t b = qt_bytes(type), bpr = x->K / qt_block(type), RB = 16 * b;
+    int64_t idx[16 * 210]; /* 210: the largest block (Q6_K) */
     q8_packed_index(type, idx);
-    #pragma omp parallel
-    {
-        uint8_t *row = malloc((size_t)(bpr * b));
-        int8_t *q = malloc((size_t)K);
-        float *a = malloc(sizeof(float) * (size_t)(K / 16)), *bb = malloc(sizeof(float) * (size_t)(K / 16));
-        #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *g0 = w + (n / 16) * bpr * RB;
-            for (int64_t blk = 0; blk < bpr; blk++)
-                for (int64_t j = 0; j < b; j++) row[blk * b + j] = g0[blk * RB + idx[(n % 16) * b + j]];
-            q8_unpack_row(row, type, K, q, a, bb, 1);
-            for (int64_t m = 0; m < M; m++) {
-                const int8_t *xq = x->q + m * K;
-                float acc = 0.f, o = 0.f;
-                for (int64_t g = 0; g < x->ng; g++) {
-                    int32_t s = 0;
-                    for (int i = 0; i < gs; i++) s += (int32_t)q[g * gs + i] * xq[g * gs + i];
-                    acc = fmaf((float)s, a[g * gs / 16] * x->dx[m * x->nb + g * gs / 32], acc);
-                    if (offset) o = fmaf(bb[g * gs / 16], x->xsum[m * x->ng + g], o);
-                }
-                y[m * N + n] = offset ? acc + o : acc;
-            }
-        }
-        free(row); free(q); free(a); free(bb);
-    }
+    uint8_t *rows = malloc((size_t)(N * bpr * b));
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t blk = 0; blk < bpr; blk++)
+            for (int64_t j = 0; j < b; j++)
+                rows[(n * bpr + blk) * b + j] = w[((n / 16) * bpr + blk) * RB + idx[(n % 16) * b + j]];
+    q8_rows_portable(rows, bpr * b, type, x, y, M, N);
+    free(rows);
 }
 
 /* Weights stream from DRAM and the hardware prefetcher stops at each 4 KB page: ask for the group

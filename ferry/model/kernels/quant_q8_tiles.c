@@ -67,9 +67,10 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable
 void q8_free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); free(r->bsum); }
 
 /* The order above, one weight row and one activation row at a time. */
-static void rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y,
-                          int64_t M, int64_t N, int gs) {
+void q8_rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y,
+                      int64_t M, int64_t N) {
     const int64_t K = x->K, G16 = K / 16;
+    const int gs = group_size(type);
     const int offset = q8_has_offset(type);
     #pragma omp parallel
     {
@@ -579,7 +580,7 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     xrows_t xr;
     q8_quantize_rows(x, M, K, gs, isa == ISA_PORTABLE, vnni && !offset, offset, M == 1 && level_shift(type) ? 32 : 0, &xr);
     if (isa == ISA_PORTABLE) {
-        rows_portable(w, row_bytes, type, &xr, y, M, N, gs);
+        q8_rows_portable(w, row_bytes, type, &xr, y, M, N);
         q8_free_rows(&xr);
         return;
     }
