@@ -48,12 +48,14 @@ def test_packing_permutes_the_file_s_bytes_and_unpacks_to_them(qtype, n, k):
 
 @pytest.mark.parametrize("qtype,n,k", CASES)
 def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k):
-    """Every variant this CPU runs, the portable one first, at one row, a decode batch's (4 rows a
-    pass and a tail) and a prefill chunk's: packed products equal the file layout's, bit for bit."""
+    """Every variant this CPU runs, the portable one first (AMX's tile products too), at one row, a
+    decode batch's (4 rows a pass and a tail) and a prefill chunk's: packed products equal the file
+    layout's, bit for bit."""
     w = repack(extreme_rows(qtype, n, k, seed=3), qtype, (n, k))
     w.activations = "q8"
     p = pack_rows16(w)
-    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 2, 3, 4, 5, 9, 40)]
+    # 12 and 27: AMX passes of fewer than 16 rows (one alone, one after a full tile); 40: a vector tail.
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 2, 3, 4, 5, 9, 12, 27, 40)]
     xs[-1][0], xs[-1][1] = 1.0, -1.0  # rows of +127 and -127 levels against the extreme weights
     best, ran = q8_isa(), []
     try:

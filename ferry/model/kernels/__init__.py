@@ -125,7 +125,7 @@ def load_kernels() -> ctypes.CDLL | None:
 
 # The q8 kernels' variants (kernels/quant_q8.h's ISA ids, in order) and the macro each needs.
 Q8_ISA_MACROS = (("portable", ""), ("avx2", "__AVX2__"), ("avx512bw", "__AVX512BW__"), ("avxvnni", "__AVXVNNI__"),
-                 ("avx512vnni", "__AVX512VNNI__"))
+                 ("avx512vnni", "__AVX512VNNI__"), ("amx", "__AMX_INT8__"))
 
 
 def _arch_q8_isa(cc: str) -> int:
@@ -133,7 +133,7 @@ def _arch_q8_isa(cc: str) -> int:
     at run time, so without this an AVX2-only build would still run AVX-512 q8 products here."""
     macros = subprocess.run([cc, ARCH, "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
     # avxvnni (256-bit VNNI) ranks below avx512vnni and above avx512bw, as quant_q8_isa's own order.
-    for name in ("avx512vnni", "avxvnni", "avx512bw", "avx2"):
+    for name in ("amx", "avx512vnni", "avxvnni", "avx512bw", "avx2"):
         if dict(Q8_ISA_MACROS)[name] in macros:
             return [n for n, _ in Q8_ISA_MACROS].index(name)
     return 0

@@ -14,11 +14,25 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "quant_types.h"
 #include "quant_q8.h"
 #include "q8_levels.h"
 
+
+/* AMX-INT8 runs only where the CPU has it (CPUID 7.0 EDX bits 24, 25) and Linux lets this process
+ * use the tile registers (ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once for the whole process). */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        usable = ((d >> 24) & 3) == 3 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return usable;
+}
 
 static int isa_supported(int64_t isa) {
     __builtin_cpu_init();
@@ -32,6 +46,7 @@ static int isa_supported(int64_t isa) {
         case ISA_AVX512BW: return avx512;
         case ISA_AVXVNNI: return base && __builtin_cpu_supports("avxvnni");
         case ISA_AVX512VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
+        case ISA_AMX: return avx512 && __builtin_cpu_supports("avx512vnni") && amx_usable();
         default: return 0;
     }
 }
@@ -45,8 +60,8 @@ int64_t quant_q8_isa(int64_t isa) {
         if (!isa_supported(isa)) return -1;
         current_isa = isa;
     } else if (isa == -1 || current_isa < 0) {
-        static const int order[] = {ISA_AVX512VNNI, ISA_AVXVNNI, ISA_AVX512BW, ISA_AVX2, ISA_PORTABLE};
-        for (int i = 0; i < 5; i++)
+        static const int order[] = {ISA_AMX, ISA_AVX512VNNI, ISA_AVXVNNI, ISA_AVX512BW, ISA_AVX2, ISA_PORTABLE};
+        for (int i = 0; i < 6; i++)
             if (isa_supported(order[i])) { current_isa = order[i]; break; }
     }
     return current_isa;

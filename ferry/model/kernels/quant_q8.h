@@ -5,7 +5,8 @@
 #define FERRY_QUANT_Q8_H
 #include <stdint.h>
 
-enum { ISA_PORTABLE, ISA_AVX2, ISA_AVX512BW, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_COUNT };
+/* ISA_AMX: AVX-512 VNNI plus AMX-INT8's tile products for packed weights at several rows. */
+enum { ISA_PORTABLE, ISA_AVX2, ISA_AVX512BW, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_AMX, ISA_COUNT };
 int64_t quant_q8_isa(int64_t isa);
 int q8_has_offset(int64_t type);
 void q8_quantize_row(const float *x, int64_t K, int8_t *q, float *dx, int portable);

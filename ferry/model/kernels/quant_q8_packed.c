@@ -442,12 +442,133 @@ PACKED_PASS(packed_avx2, packed8_avx2_of, "avx2,fma,f16c")
 PACKED_PASS(packed_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni")
 PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512)
 
+/* AMX-INT8 (ISA_AMX): a group's 16 rows against up to 16 activation rows per tile product. A
+ * chunk's 8 level vectors (levels16) are already a B tile: line j holds four weights of each row,
+ * k_at(T, j) onwards, so stored as tile row k_at(T, j) / 4 they meet the activations' own columns
+ * (tile A: the rows' int8 levels as quantized, stride K). TDPBSUD multiplies signed activations by
+ * unsigned levels, TDPBSSD signed by signed (Q8_0, IQ4_NL: no +128 detour), giving exactly
+ * packed16_of's integer sums; everything after them is packed16_of's, op for op, so the bits match.
+ * Below AMX_ROWS rows the vector pass wins (a tile product costs about the same at 1 row as at 16;
+ * measured crossover 10 rows, Q4_1 at K 576 and 1536). */
+#define AMX_ROWS 10
+#define ISA_AMX_T ISA_512 ",amx-tile,amx-int8"
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* Tiles, two sets so that one chunk's tile product overlaps the previous chunk's scaling: 0, 1
+ * (4, 5) sums (Q6_K: one per 16-group), 2 (6) activations (mr x 32, or mr x 16 per 16-group), 3 (7)
+ * levels (8 x 64, or 4 x 64). Loaded per pass: the config is each thread's, and other code (oneDNN)
+ * may change it. */
+__attribute__((target(ISA_AMX_T))) static void amx_config(int mr, int g2) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int s = 0; s < 8; s += 4) {
+        cfg.rows[s] = cfg.rows[s + 1] = cfg.rows[s + 2] = (uint8_t)mr;
+        cfg.colsb[s] = cfg.colsb[s + 1] = 64;
+        cfg.colsb[s + 2] = g2 ? 16 : 32;
+        cfg.rows[s + 3] = g2 ? 4 : 8;
+        cfg.colsb[s + 3] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One chunk's integer sums into cs[g][row][lane], with tile set C0, C1, TA, TB (literals: tile
+ * numbers are immediates). */
+#define AMX_SUMS(C0, C1, TA, TB, lvp, csp)                                      \
+    do {                                                                        \
+        _tile_zero(C0);                                                         \
+        _tile_loadd(TA, xq, K);                                                 \
+        _tile_loadd(TB, lvp, 64);                                               \
+        if (signed_levels(T)) _tile_dpbssd(C0, TA, TB); else _tile_dpbsud(C0, TA, TB); \
+        _tile_stored(C0, csp[0], 64);                                           \
+        if (G2) {                                                               \
+            _tile_zero(C1);                                                     \
+            _tile_loadd(TA, xq + 16, K);                                        \
+            _tile_loadd(TB, lvp + 256, 64);                                     \
+            _tile_dpbsud(C1, TA, TB);                                           \
+            _tile_stored(C1, csp[1], 64);                                       \
+        }                                                                       \
+    } while (0)
+
+/* Chunk q's level vectors stored as a B tile (row k_at(T, j) / 4 = line j). */
+__attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_levels(const uint8_t *g0, int64_t RB, int64_t q,
+                                                                               const int64_t T, uint8_t *lvp) {
+    __m512i v[8];
+    levels16(g0 + q / chunks_of(T) * RB, T, (int)(q % chunks_of(T)), v);
+    for (int j = 0; j < 8; j++) _mm512_store_si512(lvp + 16 * k_at(T, j), v[j]);
+}
+
+/* A tile load waits for stores still in flight to its bytes (no forwarding): levels are stored
+ * AMX_AHEAD chunks before their tile product reads them. */
+#define AMX_AHEAD 4
+__attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
+        const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr, int64_t N,
+        int nr, const int64_t T, const uint8_t *ahead) {
+    const int64_t K = x->K, nq = nrec * chunks_of(T);
+    const int OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
+    __m512 acc[16], o[16], sa[2][2], sb[2];
+    uint8_t lv[AMX_AHEAD][512] __attribute__((aligned(64)));
+    int32_t cs[2][2][16][16] __attribute__((aligned(64)));
+    amx_config(mr, G2);
+    for (int r = 0; r < mr; r++) acc[r] = o[r] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < AMX_AHEAD && q < nq; q++) amx_levels(g0, RB, q, T, lv[q]);
+    for (int64_t q = 0; q <= nq; q++) {
+        if (q < nq) { /* chunk q (block q of each row): scales and the tile product */
+            const int64_t e = q / CH;
+            const int c = (int)(q % CH), p = (int)(q & 1);
+            const uint8_t *rec = g0 + e * RB;
+            if (ahead && c == 0) prefetch_span(ahead + e * RB, RB);
+            sa[p][0] = sa[p][1] = sb[p] = _mm512_setzero_ps();
+            scales16(rec, T, c, sa[p], &sb[p]);
+            const int8_t *xq = x->q + m0 * K + 32 * q;
+            uint8_t *lvq = lv[q % AMX_AHEAD];
+            if (p) AMX_SUMS(4, 5, 6, 7, lvq, cs[1]);
+            else AMX_SUMS(0, 1, 2, 3, lvq, cs[0]);
+            if (q + AMX_AHEAD < nq) amx_levels(g0, RB, q + AMX_AHEAD, T, lvq);
+        }
+        if (q > 0) { /* chunk q - 1's sums scaled into the rows, as packed16_of */
+            const int64_t blk = q - 1;
+            const int p = (int)(blk & 1);
+            for (int r = 0; r < mr; r++) {
+                const int64_t m = m0 + r;
+                const __m512 dx = _mm512_set1_ps(x->dx[m * x->nb + blk]);
+                for (int g = 0; g <= G2; g++) {
+                    __m512i si = _mm512_load_si512(cs[p][g][r]);
+                    if (SH) si = _mm512_sub_epi32(si, _mm512_set1_epi32(SH * x->bsum[G2 ? m * (K / 16) + 2 * blk + g : m * x->nb + blk]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(sa[p][g], dx), acc[r]);
+                }
+                if (OFF) o[r] = _mm512_fmadd_ps(sb[p], _mm512_set1_ps(x->xsum[m * x->ng + blk]), o[r]);
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < mr; r++)
+        _mm512_mask_storeu_ps(y + (m0 + r) * N, (__mmask16)((1u << nr) - 1), OFF ? _mm512_add_ps(acc[r], o[r]) : acc[r]);
+}
+#define amx_of_CALL(T) amx_of(g0, nrec, RB, x, y, m0, mr, N, nr, T, ahead)
+__attribute__((target(ISA_AMX_T))) static void packed_amx(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
+                                                        float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,
+                                                        const uint8_t *ahead) {
+    switch (type) {
+        case QT_Q4_0: amx_of_CALL(QT_Q4_0); break; case QT_Q4_1: amx_of_CALL(QT_Q4_1); break;
+        case QT_Q5_0: amx_of_CALL(QT_Q5_0); break; case QT_Q5_1: amx_of_CALL(QT_Q5_1); break;
+        case QT_Q8_0: amx_of_CALL(QT_Q8_0); break; case QT_IQ4_NL: amx_of_CALL(QT_IQ4_NL); break;
+        case QT_Q4_K: amx_of_CALL(QT_Q4_K); break; case QT_Q5_K: amx_of_CALL(QT_Q5_K); break;
+        default: amx_of_CALL(QT_Q6_K); break;
+    }
+}
+
 typedef void (*pass_fn)(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr,
                         int64_t N, int nr, int64_t type, const uint8_t *ahead);
 
 /* What q8_packed_gemm needs of the activations (q8_quantize_rows's flags; bsum per 16 for Q6_K). */
 void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs) {
-    *want_u = signed_levels(type) && (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI);
+    *want_u = signed_levels(type) && (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI || isa == ISA_AMX);
     *want_sum = has_m(type);
     *bsum_gs = shift_of(type) ? gs_of(type) : 0;
 }
@@ -459,14 +580,17 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
         return;
     }
     /* AVX-512BW without VNNI: the 8-lane maddubs pass (a 16-lane one is not measured to win). */
-    static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni};
-    const pass_fn run = PASS[isa];
+    static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni,
+                                            packed_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
-        for (int64_t m0 = 0; m0 < M; m0 += R)
-            run(w + g * GB, nrec, RB, x, y + g * 16, m0, M - m0 < R ? (int)(M - m0) : R, N, nr, type,
-                m0 == 0 && g + 2 < groups ? w + (g + 2) * GB : NULL);
+        for (int64_t m0 = 0, rm; m0 < M; m0 += rm) { /* AMX passes of 16 rows while AMX_ROWS are left */
+            const int amx = isa == ISA_AMX && M - m0 >= AMX_ROWS;
+            rm = amx ? 16 : R;
+            (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, M - m0 < rm ? (int)(M - m0) : (int)rm,
+                                           N, nr, type, m0 == 0 && g + 2 < groups ? w + (g + 2) * GB : NULL);
+        }
     }
 }

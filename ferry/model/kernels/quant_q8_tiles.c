@@ -561,15 +561,15 @@ typedef void (*tile_fn)(const tile_t *t, const xrows_t *x, float *y, int64_t m0,
 
 /* y[M, N] = x[M, K] @ w[N, K]^T in q8 mode (quant_gemm's FERRY_QT_Q8 products, any M). */
 void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
-    const int64_t isa = quant_q8_isa(-2);
+    const int64_t any_isa = quant_q8_isa(-2), isa = any_isa == ISA_AMX ? ISA_AVX512VNNI : any_isa; /* AMX: packed only */
     if (type & FERRY_QT_PACKED) {
         type &= ~(int64_t)FERRY_QT_PACKED;
         if (M == 0 || q8_packed_index(type, NULL) < 0) return; /* Python packs only the table's types */
         xrows_t xr;
         int want_u, want_sum, bsum_gs;
-        q8_packed_needs(type, isa, &want_u, &want_sum, &bsum_gs);
+        q8_packed_needs(type, any_isa, &want_u, &want_sum, &bsum_gs);
         q8_quantize_rows(x, M, K, group_size(type), isa == ISA_PORTABLE, want_u, want_sum, bsum_gs, &xr);
-        q8_packed_gemm(w, type, &xr, y, M, N, isa);
+        q8_packed_gemm(w, type, &xr, y, M, N, any_isa);
         q8_free_rows(&xr);
         return;
     }
@@ -586,14 +586,14 @@ void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_
     }
     if (M == 1 && (fast32(type) || fast_k(type))) {
         static const direct_fn DIRECT[ISA_COUNT] = {NULL, direct8_avx2, direct8_avx512bw, direct8_avxvnni,
-                                                    direct8_avx512vnni};
+                                                    direct8_avx512vnni, NULL};
         const direct_fn run = DIRECT[isa];
         #pragma omp parallel for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += 8) run(w + n0 * row_bytes, row_bytes, type, &xr, y + n0, N - n0 < 8 ? (int)(N - n0) : 8);
         q8_free_rows(&xr);
         return;
     }
-    static const tile_fn TILES[ISA_COUNT] = {NULL, tile8_avx2, tile8_avx512bw, tile8_avxvnni, tile16_avx512vnni};
+    static const tile_fn TILES[ISA_COUNT] = {NULL, tile8_avx2, tile8_avx512bw, tile8_avxvnni, tile16_avx512vnni, NULL};
     const tile_fn run = TILES[isa];
     const int TR = isa == ISA_AVX512VNNI ? 16 : 8, sums = vnni && !offset;
     int flush = 32767 / (2 * 127 * max_level(type));
