@@ -461,8 +461,9 @@ typedef struct {
 
 /* Tiles, two sets so that one chunk's tile product overlaps the previous chunk's scaling: 0, 1
  * (4, 5) sums (Q6_K: one per 16-group), 2 (6) activations (mr x 32, or mr x 16 per 16-group), 3 (7)
- * levels (8 x 64, or 4 x 64). Loaded per pass: the config is each thread's, and other code (oneDNN)
- * may change it. */
+ * levels (8 x 64, or 4 x 64). Loaded by each thread once per product (and again for a tail of
+ * fewer rows; ldtilecfg costs hundreds of cycles), released at its end: other code on the thread
+ * (oneDNN) may use tiles between products. */
 __attribute__((target(ISA_AMX_T))) static void amx_config(int mr, int g2) {
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -474,6 +475,8 @@ __attribute__((target(ISA_AMX_T))) static void amx_config(int mr, int g2) {
         cfg.rows[s + 3] = g2 ? 4 : 8;
         cfg.colsb[s + 3] = 64;
     }
+    /* gcc 12 drops the stores above otherwise: it does not see ldtilecfg read all 64 bytes. */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -514,7 +517,6 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
     __m512 acc[16], o[16], sa[2][2], sb[2];
     uint8_t lv[AMX_AHEAD][512] __attribute__((aligned(64)));
     int32_t cs[2][2][16][16] __attribute__((aligned(64)));
-    amx_config(mr, G2);
     for (int r = 0; r < mr; r++) acc[r] = o[r] = _mm512_setzero_ps();
     for (int64_t q = 0; q < AMX_AHEAD && q < nq; q++) amx_levels(g0, RB, q, T, lv[q]);
     for (int64_t q = 0; q <= nq; q++) {
@@ -546,10 +548,10 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
             }
         }
     }
-    _tile_release();
     for (int r = 0; r < mr; r++)
         _mm512_mask_storeu_ps(y + (m0 + r) * N, (__mmask16)((1u << nr) - 1), OFF ? _mm512_add_ps(acc[r], o[r]) : acc[r]);
 }
+__attribute__((target(ISA_AMX_T))) static void amx_release(void) { _tile_release(); }
 #define amx_of_CALL(T) amx_of(g0, nrec, RB, x, y, m0, mr, N, nr, T, ahead)
 __attribute__((target(ISA_AMX_T))) static void packed_amx(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
                                                         float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,
@@ -583,14 +585,21 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
     static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni,
                                             packed_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
-    #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
-        for (int64_t m0 = 0, rm; m0 < M; m0 += rm) { /* AMX passes of 16 rows while AMX_ROWS are left */
-            const int amx = isa == ISA_AMX && M - m0 >= AMX_ROWS;
-            rm = amx ? 16 : R;
-            (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, M - m0 < rm ? (int)(M - m0) : (int)rm,
-                                           N, nr, type, m0 == 0 && g + 2 < groups ? w + (g + 2) * GB : NULL);
+    #pragma omp parallel
+    {
+        int tile_rows = 0; /* the rows this thread's tile config is for; 0: none loaded */
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
+            for (int64_t m0 = 0, rm; m0 < M; m0 += rm) { /* AMX passes of 16 rows while AMX_ROWS are left */
+                const int amx = isa == ISA_AMX && M - m0 >= AMX_ROWS;
+                rm = amx ? 16 : R;
+                const int mr = M - m0 < rm ? (int)(M - m0) : (int)rm;
+                if (amx && tile_rows != mr) amx_config(tile_rows = mr, gs_of(type) == 16);
+                (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
+                                               m0 == 0 && g + 2 < groups ? w + (g + 2) * GB : NULL);
+            }
         }
+        if (tile_rows) amx_release();
     }
 }
