@@ -177,7 +177,7 @@ class LlamaModel:
         def take(name: str) -> Weight:
             if name not in weights:
                 raise ValueError(f"checkpoint lacks the weight {name!r}")
-            w = weights[name]
+            w = weights.pop(name)  # each weight is taken once: the dict lets go as the model takes
             if isinstance(w, QuantWeight):
                 if dtype != torch.float32 or device.type != "cpu":
                     raise ValueError("quantized weights run with float32 activations on the CPU: use dtype "
