@@ -20,6 +20,15 @@
 /* From this many rows a decode step's rope, cache writes and gated activation are split over the
  * threads (a row's SiLU divides 1536 times; one row alone costs less than waking the pool). */
 #define DECODE_PARALLEL_ROWS 4
+/* body for b in [0, B): a parallel loop from DECODE_PARALLEL_ROWS rows, else a plain one (an
+ * OpenMP loop whose if clause is false still sets up a team: ~microseconds a call, 60 a step). */
+#define ROWS(B, ...)                                                                      \
+    do {                                                                                  \
+        if ((B) >= DECODE_PARALLEL_ROWS) {                                                \
+            _Pragma("omp parallel for schedule(static)") for (int64_t b = 0; b < (B); b++) __VA_ARGS__; \
+        } else                                                                            \
+            for (int64_t b = 0; b < (B); b++) __VA_ARGS__;                                \
+    } while (0)
 
 void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K);
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
@@ -113,8 +122,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
                 for (int64_t i = 0; i < nqkv; i++) qkv[b * nqkv + i] += L->qkv_bias[i];
         LAP(T_QKV);
         const float *lc = L->cos ? L->cos : cos, *ls = L->sin ? L->sin : sin;
-        #pragma omp parallel for schedule(static) if (B >= DECODE_PARALLEL_ROWS)
-        for (int64_t b = 0; b < B; b++) {
+        ROWS(B, {
             float *row = qkv + b * nqkv;
             if (L->q_norm) { /* Qwen3: each head's q and k normalised on their own */
                 for (int64_t hh = 0; hh < Hq; hh++) rms_norm(row + hh * D, L->q_norm, row + hh * D, 1, D, d->eps);
@@ -125,7 +133,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
             memcpy(q + b * Hq * D, row, sizeof(float) * Hq * D);
             store_kv((char *)L->k_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D, kv, d->kv);
             store_kv((char *)L->v_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D + kv, kv, d->kv);
-        }
+                });
         LAP(T_ROPE);
         paged_decode_attention(q, L->k_cache, L->v_cache, tables, lens, attn, B, Hq, Hkv, D,
                                d->block_size, max_blocks, d->scale, L->window, d->kv);
@@ -144,8 +152,7 @@ void decode_layers(const layer_t *layers, int64_t n_layers, const dims_t *d, flo
         LAP(T_NORM);
         matmul_stack(h, L->gate_up, L->gate_up_type, L->gate_up_parts, L->n_gate_up_parts, gu, B, 2 * I, H);
         LAP(T_GATE_UP);
-        #pragma omp parallel for schedule(static) if (B >= DECODE_PARALLEL_ROWS)
-        for (int64_t b = 0; b < B; b++) gated_act(gu + b * 2 * I, act + b * I, I, d->gelu);
+        ROWS(B, gated_act(gu + b * 2 * I, act + b * I, I, d->gelu));
         LAP(T_ACT);
         if (part == 1) {
             matmul(act, L->down, L->down_type, out, B, H, I);
