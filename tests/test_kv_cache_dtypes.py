@@ -39,8 +39,9 @@ def float32_results(llm, parity_prompts):
 
 # A q8_0 level is 1/127 of its block's largest value, so a product's last bit (which batching
 # moves) can round one cached value a level the other way: seen to move a near tie by 0.011-0.014
-# on an AVX2 CPU. Its tie is 1.5x the mean |d logprob| the q8_0 cache itself costs (0.0187).
-TIES = {"float16": TIE, "bfloat16": TIE, "q8_0": 0.03}
+# on an AVX2 CPU and by 0.048 on an AMD Zen 5 (16-token chunks). Its tie is the mean |d logprob|
+# bound the q8_0 cache is held to against float32 (BOUNDS).
+TIES = {"float16": TIE, "bfloat16": TIE, "q8_0": BOUNDS["q8_0"][1]}
 
 
 def assert_greedy_up_to_ties(want: list, got: list[list[int]], tie: float = TIE) -> None:
