@@ -45,11 +45,11 @@ static inline void slot_offsets(const int64_t *table, int64_t j0, int64_t j1, in
             off[j - j0] = (base + r) * bytes;
 }
 
-/* Prefetch the K and V rows of slots [a, b) (V for the second pass, which reads them while still
- * in cache). */
-static inline __attribute__((always_inline)) void prefetch_slots(
-        const void *k, const void *v, const int64_t *off, int64_t a, int64_t b, int64_t bytes) {
-    for (int64_t j = a; j < b; j++)
+/* Prefetch the K and V rows of a range's first n slots (V for the second pass, which reads them
+ * while still in cache). */
+static inline __attribute__((always_inline)) void prefetch_first(
+        const void *k, const void *v, const int64_t *off, int64_t n, int64_t bytes) {
+    for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < bytes; i += 64) {
             __builtin_prefetch((const char *)k + off[j] + i);
             __builtin_prefetch((const char *)v + off[j] + i);
@@ -79,11 +79,12 @@ static inline __attribute__((always_inline)) void one_range(
     slot_offsets(table, j0, j1, block_size, kv_bytes(row, kv), off);
     vi lane;
     for (int i = 0; i < V; i++) lane[i] = i;
-    const int64_t L = j1 - j0, bytes = kv_bytes(row, kv);
-    prefetch_slots(k, v, off, 0, PF_DIST < L ? PF_DIST : L, bytes);
+    const int64_t L = j1 - j0, hb = kv_bytes(D, kv);
+    prefetch_first(k, v, off, PF_DIST < L ? PF_DIST : L, kv_bytes(row, kv));
     for (int64_t it = 0; it < nt; it++) {
         const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
         for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t ho = kv_bytes(h * D, kv);  /* head h's bytes into a slot's row */
             vf qv[G][NV], part[G][TILE];
             for (int g = 0; g < G; g++)
                 for (int i = 0; i < NV; i++) qv[g][i] = loadv(q + (h * G + g) * D + i * V) * scale;
@@ -92,13 +93,13 @@ static inline __attribute__((always_inline)) void one_range(
                     for (int g = 0; g < G; g++) part[g][t] = (vf){0};
                     continue;
                 }
-                const int64_t pj = t0 - j0 + t + PF_DIST, hb = kv_bytes(D, kv);
+                const int64_t pj = t0 - j0 + t + PF_DIST;
                 if (pj < L) /* head h's K and V rows of the slot PF_DIST on */
                     for (int64_t i = 0; i < hb; i += 64) {
-                        __builtin_prefetch((const char *)k + off[pj] + kv_bytes(h * D, kv) + i);
-                        __builtin_prefetch((const char *)v + off[pj] + kv_bytes(h * D, kv) + i);
+                        __builtin_prefetch((const char *)k + off[pj] + ho + i);
+                        __builtin_prefetch((const char *)v + off[pj] + ho + i);
                     }
-                const char *kt = (const char *)k + off[t0 - j0 + t] + kv_bytes(h * D, kv);
+                const char *kt = (const char *)k + off[t0 - j0 + t] + ho;
                 vf kr[NV];
                 for (int i = 0; i < NV; i++) kr[i] = load_kv(kt, i * V, kv);
                 for (int g = 0; g < G; g++) {
