@@ -236,6 +236,27 @@ def test_bench_kernels_times_every_implementation_against_its_bound(llm):
     assert "lm_head" in format_kernels(report)
 
 
+def test_bench_kernels_holds_q8_products_to_the_int8_peak(llm):
+    """The q8 products' bound is the int8 multiply-add peak of the variant in use (measured), not
+    the float32 FMA peak; the portable variant has no such instruction (0)."""
+    from ferry.bench.kernels import bench_kernels, int8_peak
+    from ferry.model.kernels import load_kernels
+
+    so = load_kernels()
+    if so is None or so.quant_q8_isa(-2) == 0:
+        pytest.skip("no vector q8 variant here")
+    assert so.int8_peak(0, 1000) == 0.0
+    peak = int8_peak()
+    # Each vector variant multiplies at least 16 int8 pairs per instruction, a billion a second.
+    assert peak > 16
+    report = bench_kernels(llm.engine.executor.model, rows=[64], reps=1)
+    b = report["bounds"]
+    for r in report["rows"]:
+        q, t = r["ferry_quant"], r["ferry_quant"]["ms"] / 1e3
+        bound = max(q["gb_s"] * t / b["dram_gb_s"], r["m"] * r["n"] * r["k"] / (b["int8_gmac_s"] * 1e9))
+        assert q["of_bound"] == pytest.approx(bound / t, rel=1e-6), r["shape"]
+
+
 def test_bench_accuracy_compares_next_token_predictions(llm, parity_prompts):
     from ferry import LLM
     from ferry.bench.accuracy import compare

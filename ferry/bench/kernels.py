@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ferry.model.kernels import load_kernels
 from ferry.model.quant import QuantWeight, RowStack, dequantize, quant_linear
 
 # (name, weight name pattern); the layer's fused products are built as the model builds them.
@@ -43,7 +44,24 @@ def machine_bounds(threads: int) -> dict[str, float]:
     del big
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     peak = 2 * 1024**3 / _time(lambda: torch.mm(a, b), 5) / 1e9
-    return {"dram_gb_s": bw, "fma_gflop_s": peak, "threads": threads}
+    return {"dram_gb_s": bw, "fma_gflop_s": peak, "int8_gmac_s": int8_peak(), "threads": threads}
+
+
+def int8_peak() -> float:
+    """The int8 multiply-add peak (GMAC/s, all threads) of the instruction the q8 products use on
+    this CPU (vpdpbusd, or AVX2's vpmaddubsw), measured now; 0 without the kernels or on the
+    portable variant."""
+    so = load_kernels()
+    if so is None:
+        return 0.0
+    isa = so.quant_q8_isa(-2)  # the variant in use (-2 asks without changing it)
+    so.int8_peak(isa, 2_000_000)  # wakes the threads
+    return max(so.int8_peak(isa, 20_000_000) for _ in range(3)) / 1e9
+
+
+def _is_q8(w: Any) -> bool:
+    """Whether a weight's products quantize the activations (their bound is the int8 peak)."""
+    return (w.parts[0] if isinstance(w, RowStack) else w).activations == "q8"
 
 
 def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
@@ -77,7 +95,10 @@ def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
                 for impl, fn in impls.items():
                     t = _time(fn, reps) / len(quant)
                     wbytes = quant[0].nbytes if impl == "ferry_quant" else n * k * 4
-                    bound = max(wbytes / (bounds["dram_gb_s"] * 1e9), flops / (bounds["fma_gflop_s"] * 1e9))
+                    compute = flops / (bounds["fma_gflop_s"] * 1e9)
+                    if impl == "ferry_quant" and _is_q8(quant[0]) and bounds["int8_gmac_s"] > 0:
+                        compute = m * n * k / (bounds["int8_gmac_s"] * 1e9)
+                    bound = max(wbytes / (bounds["dram_gb_s"] * 1e9), compute)
                     row[impl] = {"ms": 1e3 * t, "gflop_s": flops / t / 1e9, "gb_s": wbytes / t / 1e9,
                                  "of_bound": bound / t}
             del floats, arrays
@@ -87,7 +108,8 @@ def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
 def format_kernels(report: dict[str, Any]) -> str:
     b = report["bounds"]
     lines = [f"bounds (measured now, {b['threads']} threads): DRAM {b['dram_gb_s']:.1f} GB/s, "
-             f"float32 FMA {b['fma_gflop_s']:.0f} GFLOP/s",
+             f"float32 FMA {b['fma_gflop_s']:.0f} GFLOP/s, int8 multiply-adds {b['int8_gmac_s']:.0f} G/s "
+             "(the q8 products' bound)",
              "ms per product (GFLOP/s, weight GB/s, share of the bound)"]
     impls = ("ferry_quant", "ferry_f32", "torch_f32", "numpy_openblas_f32")
     lines.append(f"{'shape':<8} {'N x K':>11} {'M':>3}  " + "  ".join(f"{i:>30}" for i in impls))

@@ -23,7 +23,7 @@ from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
-                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c", "quant_q8_packed.c", "row_ops.c")]
+                                                 "quant_dequant.c", "quant_q8.c", "quant_q8_tiles.c", "quant_q8_packed.c", "row_ops.c", "int8_peak.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h", "quant_q8.h", "q8_levels.h", "row_ops.h")]
 # FERRY_KERNEL_ARCH picks the target (e.g. "haswell": AVX2+FMA, no AVX-512), to build and measure
 # what most users' CPUs run on a machine that has more.
@@ -106,6 +106,8 @@ def load_kernels() -> ctypes.CDLL | None:
     so.quant_dequant.restype = None
     so.quant_q8_isa.argtypes = [i64]
     so.quant_q8_isa.restype = i64
+    so.int8_peak.argtypes = [i64, i64]
+    so.int8_peak.restype = ctypes.c_double
     so.q8_packed_index.argtypes = [i64, ptr]
     so.q8_packed_index.restype = i64
     so.quant_type_row.argtypes = [i64, ctypes.c_char_p, ptr]

@@ -1,0 +1,83 @@
+/* The int8 multiply-add peak of the instruction a q8 variant multiplies with, measured now: the
+ * bound `ferry bench kernels` holds the q8 products to (the float32 FMA peak is not theirs).
+ *
+ * AVX-512 VNNI (and AMX's vector pass): vpdpbusd on 64 bytes; AVX-VNNI: vpdpbusd on 32; AVX2 and
+ * AVX-512BW: vpmaddubsw on 32 (the kernels' madd and add after it are not counted). Twelve
+ * independent accumulators on each thread, written as inline assembly so the compiler cannot fold
+ * the repeated products into one (it knows vpdpbusd's arithmetic).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "quant_q8.h"
+
+#define X12(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+__attribute__((target("avx2,avx512f,avx512bw,avx512vnni"))) static int32_t run_512(int64_t iters) {
+    __m512i b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5);
+#define D512(i) __m512i a##i = _mm512_set1_epi32(i);
+    X12(D512)
+    for (int64_t k = 0; k < iters; k++) {
+#define O512(i) __asm__("vpdpbusd %2, %1, %0" : "+v"(a##i) : "v"(b), "v"(c));
+        X12(O512)
+    }
+    __m512i s = _mm512_setzero_si512();
+#define S512(i) s = _mm512_add_epi32(s, a##i);
+    X12(S512)
+    return _mm512_reduce_add_epi32(s);
+}
+
+__attribute__((target("avx2,avxvnni"))) static int32_t run_vnni256(int64_t iters) {
+    __m256i b = _mm256_set1_epi8(3), c = _mm256_set1_epi8(5);
+#define D256(i) __m256i a##i = _mm256_set1_epi32(i);
+    X12(D256)
+    for (int64_t k = 0; k < iters; k++) {
+#define O256(i) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a##i) : "x"(b), "x"(c));
+        X12(O256)
+    }
+    __m256i s = _mm256_setzero_si256();
+#define S256(i) s = _mm256_add_epi32(s, a##i);
+    X12(S256)
+    return _mm256_extract_epi32(s, 0);
+}
+
+__attribute__((target("avx2"))) static int32_t run_avx2(int64_t iters) {
+    __m256i b = _mm256_set1_epi8(3), c = _mm256_set1_epi8(5);
+#define DAVX(i) __m256i a##i;
+    X12(DAVX)
+    for (int64_t k = 0; k < iters; k++) {
+#define OAVX(i) __asm__("vpmaddubsw %2, %1, %0" : "=x"(a##i) : "x"(b), "x"(c)); __asm__("" : "+x"(b));
+        X12(OAVX)
+    }
+    __m256i s = _mm256_setzero_si256();
+#define SAVX(i) s = _mm256_add_epi16(s, a##i);
+    X12(SAVX)
+    return _mm256_extract_epi32(s, 0);
+}
+
+/* Multiply-adds per second over all OpenMP threads with variant isa's instruction (0 for the
+ * portable variant, which has none); iters loops of 12 instructions on each thread. */
+double int8_peak(int64_t isa, int64_t iters) {
+    const int bytes = isa == ISA_AVX512VNNI || isa == ISA_AMX ? 64 : isa == ISA_PORTABLE ? 0 : 32;
+    if (!bytes) return 0.0;
+    int nth = 1;
+    volatile int32_t sink = 0;
+    const double t = now();
+    #pragma omp parallel
+    {
+        #pragma omp single
+        nth = omp_get_num_threads();
+        const int32_t s = bytes == 64 ? run_512(iters) : isa == ISA_AVXVNNI ? run_vnni256(iters) : run_avx2(iters);
+        #pragma omp atomic
+        sink += s;
+    }
+    return (double)nth * iters * 12 * bytes / (now() - t);
+}
