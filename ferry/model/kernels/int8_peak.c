@@ -21,47 +21,31 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-__attribute__((target("avx2,avx512f,avx512bw,avx512vnni"))) static int32_t run_512(int64_t iters) {
-    __m512i b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5);
-#define D512(i) __m512i a##i = _mm512_set1_epi32(i);
-    X12(D512)
-    for (int64_t k = 0; k < iters; k++) {
-#define O512(i) __asm__("vpdpbusd %2, %1, %0" : "+v"(a##i) : "v"(b), "v"(c));
-        X12(O512)
+/* One runner per instruction: DECL_, STEP_ and SUM_name give its accumulators, step and sum. */
+#define RUNNER(name, isa, T, SET8, SET32)                                     \
+    __attribute__((target(isa))) static int32_t name(int64_t iters) {                       \
+        T b = SET8(3), c = SET8(5);                                                         \
+        X12(DECL_##name)                                                                    \
+        for (int64_t k = 0; k < iters; k++) { X12(STEP_##name) }                            \
+        T s = SET32(0);                                                                     \
+        X12(SUM_##name)                                                                     \
+        int32_t out[sizeof(T) / 4];                                                         \
+        __builtin_memcpy(out, &s, sizeof s);                                                \
+        return out[0];                                                                      \
     }
-    __m512i s = _mm512_setzero_si512();
-#define S512(i) s = _mm512_add_epi32(s, a##i);
-    X12(S512)
-    return _mm512_reduce_add_epi32(s);
-}
-
-__attribute__((target("avx2,avxvnni"))) static int32_t run_vnni256(int64_t iters) {
-    __m256i b = _mm256_set1_epi8(3), c = _mm256_set1_epi8(5);
-#define D256(i) __m256i a##i = _mm256_set1_epi32(i);
-    X12(D256)
-    for (int64_t k = 0; k < iters; k++) {
-#define O256(i) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a##i) : "x"(b), "x"(c));
-        X12(O256)
-    }
-    __m256i s = _mm256_setzero_si256();
-#define S256(i) s = _mm256_add_epi32(s, a##i);
-    X12(S256)
-    return _mm256_extract_epi32(s, 0);
-}
-
-__attribute__((target("avx2"))) static int32_t run_avx2(int64_t iters) {
-    __m256i b = _mm256_set1_epi8(3), c = _mm256_set1_epi8(5);
-#define DAVX(i) __m256i a##i;
-    X12(DAVX)
-    for (int64_t k = 0; k < iters; k++) {
-#define OAVX(i) __asm__("vpmaddubsw %2, %1, %0" : "=x"(a##i) : "x"(b), "x"(c)); __asm__("" : "+x"(b));
-        X12(OAVX)
-    }
-    __m256i s = _mm256_setzero_si256();
-#define SAVX(i) s = _mm256_add_epi16(s, a##i);
-    X12(SAVX)
-    return _mm256_extract_epi32(s, 0);
-}
+#define DECL_run_512(i) __m512i a##i = _mm512_set1_epi32(i);
+#define STEP_run_512(i) __asm__("vpdpbusd %2, %1, %0" : "+v"(a##i) : "v"(b), "v"(c));
+#define SUM_run_512(i) s = _mm512_add_epi32(s, a##i);
+RUNNER(run_512, "avx2,avx512f,avx512bw,avx512vnni", __m512i, _mm512_set1_epi8, _mm512_set1_epi32)
+#define DECL_run_vnni256(i) __m256i a##i = _mm256_set1_epi32(i);
+#define STEP_run_vnni256(i) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a##i) : "x"(b), "x"(c));
+#define SUM_run_vnni256(i) s = _mm256_add_epi32(s, a##i);
+RUNNER(run_vnni256, "avx2,avxvnni", __m256i, _mm256_set1_epi8, _mm256_set1_epi32)
+/* vpmaddubsw writes its result (no accumulator): b is "changed" between them so none is merged. */
+#define DECL_run_avx2(i) __m256i a##i = _mm256_set1_epi32(i);
+#define STEP_run_avx2(i) __asm__("vpmaddubsw %2, %1, %0" : "=x"(a##i) : "x"(b), "x"(c)); __asm__("" : "+x"(b));
+#define SUM_run_avx2(i) s = _mm256_add_epi16(s, a##i);
+RUNNER(run_avx2, "avx2", __m256i, _mm256_set1_epi8, _mm256_set1_epi32)
 
 /* Multiply-adds per second over all OpenMP threads with variant isa's instruction (0 for the
  * portable variant, which has none); iters loops of 12 instructions on each thread. */
