@@ -45,21 +45,28 @@ static inline void slot_offsets(const int64_t *table, int64_t j0, int64_t j1, in
             off[j - j0] = (base + r) * bytes;
 }
 
-/* Prefetch the K and V rows of a range's first n slots (V for the second pass, which reads them
- * while still in cache). */
+/* Prefetch the K and V rows of a range's first slots: the first near ones into L1, the rest up to
+ * far into L2, where the score loop's own prefetches start. */
 static inline __attribute__((always_inline)) void prefetch_first(
-        const void *k, const void *v, const int64_t *off, int64_t n, int64_t bytes) {
-    for (int64_t j = 0; j < n; j++)
+        const void *k, const void *v, const int64_t *off, int64_t near, int64_t far, int64_t bytes) {
+    for (int64_t j = 0; j < far; j++)
         for (int64_t i = 0; i < bytes; i += 64) {
-            __builtin_prefetch((const char *)k + off[j] + i);
-            __builtin_prefetch((const char *)v + off[j] + i);
+            if (j < near) {
+                __builtin_prefetch((const char *)k + off[j] + i);
+                __builtin_prefetch((const char *)v + off[j] + i);
+            } else {
+                __builtin_prefetch((const char *)k + off[j] + i, 0, 1);
+                __builtin_prefetch((const char *)v + off[j] + i, 0, 1);
+            }
         }
 }
-/* Slots asked for ahead of the one being read, a head's rows at a time inside the score loop: a
- * burst of a whole tile's prefetches stalls on the miss buffers, and the context streams from DRAM
- * at B x L beyond L3 (measured: 12 slots, 16 requests x 192 slots 4.2 -> 2.2 ms a step of 30
- * layers, 64 x 1024 89 -> 50 ms). V goes to L1 too: the second pass reads it soon after. */
-#define PF_DIST 12
+/* Slots asked for ahead of the one being read, a head's rows at a time inside the score loop, in
+ * two steps: into L2 PF_FAR slots ahead (L2 tracks many more misses in flight than L1, whose miss
+ * buffers a far stream into L1 fills: Zen 4, 16 requests x 192 slots 5.4 -> 3.7 ms a step of 30
+ * layers, 64 x 1024 110 -> 74 ms), then into L1 PF_DIST ahead, from L2 (L1 prefetches alone were
+ * best on a Zen 5 at 12 slots; a burst of a whole tile's rows stalls on the miss buffers). */
+#define PF_DIST 4
+#define PF_FAR 16
 
 /* Slots [j0, j1) of one request (at most RANGE), every head, in two passes: the scores of every
  * slot first (per tile of TILE slots, the tile's K rows of all KV heads read whole: a block's
@@ -80,7 +87,7 @@ static inline __attribute__((always_inline)) void one_range(
     vi lane;
     for (int i = 0; i < V; i++) lane[i] = i;
     const int64_t L = j1 - j0, hb = kv_bytes(D, kv);
-    prefetch_first(k, v, off, PF_DIST < L ? PF_DIST : L, kv_bytes(row, kv));
+    prefetch_first(k, v, off, PF_DIST < L ? PF_DIST : L, PF_FAR < L ? PF_FAR : L, kv_bytes(row, kv));
     for (int64_t it = 0; it < nt; it++) {
         const int64_t t0 = j0 + it * TILE, n = j1 - t0 < TILE ? j1 - t0 : TILE;
         for (int64_t h = 0; h < Hkv; h++) {
@@ -93,11 +100,16 @@ static inline __attribute__((always_inline)) void one_range(
                     for (int g = 0; g < G; g++) part[g][t] = (vf){0};
                     continue;
                 }
-                const int64_t pj = t0 - j0 + t + PF_DIST;
-                if (pj < L) /* head h's K and V rows of the slot PF_DIST on */
+                const int64_t pj = t0 - j0 + t + PF_DIST, pf = t0 - j0 + t + PF_FAR;
+                if (pj < L) /* head h's K and V rows of the slot PF_DIST on, into L1 */
                     for (int64_t i = 0; i < hb; i += 64) {
                         __builtin_prefetch((const char *)k + off[pj] + ho + i);
                         __builtin_prefetch((const char *)v + off[pj] + ho + i);
+                    }
+                if (pf < L) /* and PF_FAR on, into L2 */
+                    for (int64_t i = 0; i < hb; i += 64) {
+                        __builtin_prefetch((const char *)k + off[pf] + ho + i, 0, 1);
+                        __builtin_prefetch((const char *)v + off[pf] + ho + i, 0, 1);
                     }
                 const char *kt = (const char *)k + off[t0 - j0 + t] + ho;
                 vf kr[NV];
