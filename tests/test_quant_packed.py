@@ -72,6 +72,28 @@ def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k
     assert "portable" in ran and ("avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX"))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
+    """A weight whose groups of 16 rows span several of the kernel's 128 KB chunks on each thread
+    (K = 4096: 2-3 groups a chunk, 23 groups): every pass over every chunk, the tail pass of one
+    row included, gives the file layout's bits in every variant."""
+    n, k = 23 * 16, 4096
+    w = repack(extreme_rows(qtype, n, k, seed=5), qtype, (n, k))
+    w.activations = "q8"
+    p = pack_rows16(w)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(9))
+    best = q8_isa()
+    try:
+        for isa in Q8_ISAS:
+            try:
+                q8_isa(isa)
+            except ValueError:
+                continue
+            assert torch.equal(quant_linear(x, p), quant_linear(x, w)), isa
+    finally:
+        q8_isa(best)
+
+
 def test_packed_picks_q8_32_block_weights_and_nothing_else():
     q41 = repack(random_gguf_rows("Q4_1", 16, 256, 1), "Q4_1", (16, 256))
     iq4xs = repack(random_gguf_rows("IQ4_XS", 16, 256, 2), "IQ4_XS", (16, 256))

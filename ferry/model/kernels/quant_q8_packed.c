@@ -20,6 +20,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -565,6 +566,14 @@ __attribute__((target(ISA_AMX_T))) static void packed_amx(const uint8_t *g0, int
     }
 }
 
+/* With several passes of rows, each thread walks its groups in chunks of about CHUNK_BYTES, every
+ * pass over a chunk before the next: the first pass reads the chunk as one stream, which the
+ * hardware prefetcher follows, and the others read it from L2. Group by group, each group's first
+ * pass waited on memory while its other passes computed, and neither the hardware prefetcher nor
+ * prefetches of the group two ahead covered it (Zen 4, 16 rows: Q4_1 gate_up 128 -> 103 us, the
+ * Q8_0 LM head 2.32 -> 1.88 ms). A thread's groups are one contiguous range, as before. */
+#define CHUNK_BYTES (128 * 1024)
+
 typedef void (*pass_fn)(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr,
                         int64_t N, int nr, int64_t type, const uint8_t *ahead);
 
@@ -585,19 +594,24 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
     static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni,
                                             packed_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
+    const int64_t chunk = CHUNK_BYTES / GB > 1 ? CHUNK_BYTES / GB : 1;
     #pragma omp parallel
     {
         int tile_rows = 0; /* the rows this thread's tile config is for; 0: none loaded */
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t ga = groups * t / nt, gb = groups * (t + 1) / nt; /* this thread's groups */
+        for (int64_t c0 = ga; c0 < gb; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < gb ? c0 + chunk : gb;
             for (int64_t m0 = 0, rm; m0 < M; m0 += rm) { /* AMX passes of 16 rows while AMX_ROWS are left */
                 const int amx = isa == ISA_AMX && M - m0 >= AMX_ROWS;
                 rm = amx ? 16 : R;
                 const int mr = M - m0 < rm ? (int)(M - m0) : (int)rm;
                 if (amx && tile_rows != mr) amx_config(tile_rows = mr, gs_of(type) == 16);
-                (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
-                                               m0 == 0 && g + 2 < groups ? w + (g + 2) * GB : NULL);
+                for (int64_t g = c0; g < c1; g++) {
+                    const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
+                    (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
+                                                   m0 == 0 && g + 2 < gb ? w + (g + 2) * GB : NULL);
+                }
             }
         }
         if (tile_rows) amx_release();
