@@ -225,14 +225,12 @@ __attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
             const int64_t blk = e * CH + c;
             __m512i v[8], w128 = _mm512_setzero_si512();
             __m512 A[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, B = _mm512_setzero_ps();
-            if (lv && !signed_levels(T))
+            if (lv)
                 for (int L = 0; L < 8; L++) v[L] = _mm512_load_si512(lv + 64 * (8 * blk + L));
             else
                 levels16(rec, T, c, v);
             scales16(rec, T, c, A, &B);
-            if (signed_levels(T) && lv) /* decode16_of's 128 x the levels' sums */
-                w128 = _mm512_load_si512(lv + 64 * blk);
-            else if (signed_levels(T)) {
+            if (signed_levels(T)) {
                 for (int j = 0; j < 8; j++) w128 = _mm512_dpbusd_epi32(w128, ones8, v[j]);
                 w128 = _mm512_slli_epi32(w128, 7);
             }
@@ -454,22 +452,14 @@ PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512)
 
 /* A group's level vectors, every 32-chunk of every record, decoded once into lv (chunk blk's 8
  * vectors of 64 bytes at lv + 512 blk, 16 lanes as levels16 gives them; levels8's half h is bytes
- * 32h..32h + 31 of each), for passes that load them instead of decoding them again. Signed levels
- * (Q8_0, IQ4_NL) are cheap to decode, but dpbusd's unsigned detour needs 128 x each row's levels'
- * sum, eight dpbusd a chunk: those sums instead, chunk blk's at lv + 64 blk. */
+ * 32h..32h + 31 of each), for passes that load them instead of decoding them again. */
 __attribute__((target(ISA_512), always_inline)) static inline void decode16_of(const uint8_t *g0, int64_t nrec, int64_t RB,
                                                                                const int64_t T, uint8_t *lv) {
-    const __m512i ones8 = _mm512_set1_epi8(1);
     for (int64_t e = 0; e < nrec; e++)
         for (int c = 0; c < chunks_of(T); c++) {
-            const int64_t blk = e * chunks_of(T) + c;
-            __m512i v[8], w128 = _mm512_setzero_si512();
+            __m512i v[8];
             levels16(g0 + e * RB, T, c, v);
-            if (signed_levels(T)) {
-                for (int j = 0; j < 8; j++) w128 = _mm512_dpbusd_epi32(w128, ones8, v[j]);
-                _mm512_store_si512(lv + 64 * blk, _mm512_slli_epi32(w128, 7));
-            } else
-                for (int L = 0; L < 8; L++) _mm512_store_si512(lv + 64 * (8 * blk + L), v[L]);
+            for (int L = 0; L < 8; L++) _mm512_store_si512(lv + 64 * (8 * (e * chunks_of(T) + c) + L), v[L]);
         }
 }
 __attribute__((target("avx2"), always_inline)) static inline void decode8_of(const uint8_t *g0, int64_t nrec, int64_t RB,
@@ -643,7 +633,6 @@ typedef void (*decode_fn)(const uint8_t *g0, int64_t nrec, int64_t RB, int64_t t
  * Q6_K 1.32 / 1.23x; 16 rows Q6_K 1.52 / 1.13x. For 4-bit nibbles (two instructions a vector) the
  * extra loads and stores cost more than they save (Q4_1 16 rows: 1.4x slower). */
 #define PRE_PASSES 4
-#define SUM_PASSES 8
 static inline int costly_levels(int64_t t) { return has_qh(t) || t == QT_Q5_K || t == QT_Q6_K; }
 
 /* The thread's buffer of decoded levels, grown as needed and kept (torch's OpenMP threads live as
@@ -677,14 +666,9 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                                             packed_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
     static const decode_fn DECODE[ISA_COUNT] = {NULL, decode_avx2, decode_avx2, decode_avx2, decode_avx512, NULL};
-    const int64_t passes = (M + R - 1) / R, sums = signed_levels(type);
-    const int64_t chunk = CHUNK_BYTES / GB > 1 ? CHUNK_BYTES / GB : 1, LB = nrec * chunks_of(type) * (sums ? 64 : 512);
-    /* AMX tiles take 16 rows a pass: no decoded levels for them. The levels' sums from SUM_PASSES
-     * passes, with AVX-512 VNNI only (AVX2 multiplies signed levels without them): a pass that only
-     * sums streams the chunk with too little work to hide DRAM behind (Zen 4, the Q8_0 LM head at 16
-     * rows: 2.1 -> 2.3 ms; at 32 rows 3.7 -> 3.4, 64 rows 6.9 -> 6.3). */
-    const int pre = DECODE[isa] && (sums ? passes >= SUM_PASSES && isa == ISA_AVX512VNNI
-                                         : passes >= PRE_PASSES && costly_levels(type));
+    const int64_t chunk = CHUNK_BYTES / GB > 1 ? CHUNK_BYTES / GB : 1, LB = nrec * chunks_of(type) * 512;
+    /* AMX tiles take 16 rows a pass: no decoded levels for them. */
+    const int pre = (M + R - 1) / R >= PRE_PASSES && costly_levels(type) && DECODE[isa];
     #pragma omp parallel
     {
         int tile_rows = 0; /* the rows this thread's tile config is for; 0: none loaded */
