@@ -650,6 +650,7 @@ static uint8_t *levels_buffer(size_t bytes) {
         free(buf);
         cap = (bytes + 4095) / 4096 * 4096;
         buf = aligned_alloc(64, cap);
+        if (!buf) cap = 0; /* no memory: the passes decode the levels themselves */
     }
     return buf;
 }
@@ -681,9 +682,10 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t ga = groups * t / nt, gb = groups * (t + 1) / nt; /* this thread's groups */
         uint8_t *lv = pre ? levels_buffer((size_t)(chunk * LB)) : NULL;
+        const int use = lv != NULL;
         for (int64_t c0 = ga; c0 < gb; c0 += chunk) {
             const int64_t c1 = c0 + chunk < gb ? c0 + chunk : gb;
-            if (pre)
+            if (use)
                 for (int64_t g = c0; g < c1; g++) DECODE[isa](w + g * GB, nrec, RB, type, lv + (g - c0) * LB);
             for (int64_t m0 = 0, rm; m0 < M; m0 += rm) { /* AMX passes of 16 rows while AMX_ROWS are left */
                 const int amx = isa == ISA_AMX && M - m0 >= AMX_ROWS;
@@ -693,8 +695,8 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                 for (int64_t g = c0; g < c1; g++) {
                     const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
                     (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
-                                                   m0 == 0 && !pre && g + 2 < gb ? w + (g + 2) * GB : NULL,
-                                                   pre && !amx ? lv + (g - c0) * LB : NULL);
+                                                   m0 == 0 && !use && g + 2 < gb ? w + (g + 2) * GB : NULL,
+                                                   use && !amx ? lv + (g - c0) * LB : NULL);
                 }
             }
         }
