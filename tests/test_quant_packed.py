@@ -72,17 +72,19 @@ def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k
     assert "portable" in ran and ("avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX"))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q6_K"])
 def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
-    """A weight whose groups of 16 rows span several of the kernel's 128 KB chunks on each thread
-    (K = 4096: 2-3 groups a chunk, 23 groups): every pass over every chunk, the tail pass of one
-    row included, gives the file layout's bits in every variant."""
-    n, k = 23 * 16, 4096
+    """A weight whose groups of 16 rows span several of the kernel's 128 KB chunks on each of two
+    threads (K = 4096: 2-3 groups a chunk, 23 groups, the last of 11 rows): 40 rows (10 passes of
+    4, the Q5 / Q6 types' levels decoded once per chunk; AMX: two tiles and a tail) give the file
+    layout's bits in every variant."""
+    n, k = 23 * 16 - 5, 4096
     w = repack(extreme_rows(qtype, n, k, seed=5), qtype, (n, k))
     w.activations = "q8"
     p = pack_rows16(w)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(9))
-    best = q8_isa()
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9))
+    best, threads = q8_isa(), torch.get_num_threads()
+    torch.set_num_threads(2)  # more threads would give each fewer groups than two chunks
     try:
         for isa in Q8_ISAS:
             try:
@@ -92,6 +94,7 @@ def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
             assert torch.equal(quant_linear(x, p), quant_linear(x, w)), isa
     finally:
         q8_isa(best)
+        torch.set_num_threads(threads)
 
 
 def test_packed_picks_q8_32_block_weights_and_nothing_else():

@@ -61,10 +61,12 @@ static inline __attribute__((always_inline)) void prefetch_first(
         }
 }
 /* Slots asked for ahead of the one being read, a head's rows at a time inside the score loop, in
- * two steps: into L2 PF_FAR slots ahead (L2 tracks many more misses in flight than L1, whose miss
- * buffers a far stream into L1 fills: Zen 4, 16 requests x 192 slots 5.4 -> 3.7 ms a step of 30
- * layers, 64 x 1024 110 -> 74 ms), then into L1 PF_DIST ahead, from L2 (L1 prefetches alone were
- * best on a Zen 5 at 12 slots; a burst of a whole tile's rows stalls on the miss buffers). */
+ * two steps: into L2 PF_FAR slots ahead (locality 1, prefetcht2, which x86 CPUs fill into L2; L2
+ * tracks many more misses in flight than L1, whose miss buffers a far stream into L1 fills: Zen 4,
+ * 16 requests x 192 slots 5.4 -> 3.7 ms a step of 30 layers, 64 x 1024 110 -> 74 ms; prefetcht1
+ * measured no better), then into L1 PF_DIST ahead, from L2 (L1 prefetches alone were best on a
+ * Zen 5 at 12 slots; there a burst of a whole tile's rows into L1 once per tile stalled on the miss
+ * buffers). */
 #define PF_DIST 4
 #define PF_FAR 16
 

@@ -515,8 +515,9 @@ typedef struct {
 
 /* Tiles, two sets so that one chunk's tile product overlaps the previous chunk's scaling: 0, 1
  * (4, 5) sums (Q6_K: one per 16-group), 2 (6) activations (mr x 32, or mr x 16 per 16-group), 3 (7)
- * levels (8 x 64, or 4 x 64). Loaded by each thread once per product (and again for a tail of
- * fewer rows; ldtilecfg costs hundreds of cycles), released at its end: other code on the thread
+ * levels (8 x 64, or 4 x 64). Loaded by each thread when its passes' row count changes (a tail of
+ * fewer rows, at most twice a chunk; ldtilecfg costs hundreds of cycles), released at the
+ * product's end: other code on the thread
  * (oneDNN) may use tiles between products. */
 __attribute__((target(ISA_AMX_T))) static void amx_config(int mr, int g2) {
     tilecfg_t cfg;
@@ -642,7 +643,7 @@ typedef void (*decode_fn)(const uint8_t *g0, int64_t nrec, int64_t RB, int64_t t
 static inline int costly_levels(int64_t t) { return has_qh(t) || t == QT_Q5_K || t == QT_Q6_K; }
 
 /* The thread's buffer of decoded levels, grown as needed and kept (torch's OpenMP threads live as
- * long as the process; a chunk's levels are a few hundred KB). */
+ * long as the process; a chunk's decoded levels are 1.2-1.5x its 128 KB of weights). */
 static uint8_t *levels_buffer(size_t bytes) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
