@@ -8,8 +8,8 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import ACTIVATION_MODES, KERNEL_ROWS, QUANT_TYPES, QuantWeight, RowStack, cat_rows, \
-    check_kernel_types, dequantize, load_gguf_weights, quant_linear, repack
+from ferry.model.quant import ACTIVATION_MODES, KERNEL_ROWS, Q8_ISAS, QUANT_TYPES, QuantWeight, RowStack, cat_rows, \
+    check_kernel_types, dequantize, load_gguf_weights, q8_isa, quant_linear, repack
 
 # Where each type's float16 scales sit in its block (ggml's block layouts): random bytes elsewhere
 # are valid quants and sub-scales, random bytes here could be NaN.
@@ -322,6 +322,21 @@ def test_k_quant_shards_cut_on_super_blocks():
     assert isinstance(off, torch.Tensor) and torch.equal(off, full[:, 32:320])
 
 
+def each_q8_isa(names=Q8_ISAS):
+    """Switch the q8 kernels to each variant of ``names`` this CPU runs, yielding its name; the
+    variant in use before is restored afterwards, however the loop ends."""
+    best = q8_isa()
+    try:
+        for isa in names:
+            try:
+                q8_isa(isa)
+            except ValueError:
+                continue  # this CPU lacks it
+            yield isa
+    finally:
+        q8_isa(best)
+
+
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the q8 mode sees it (per 32: scale amax / 127, levels rounded half away from zero),
     and each element's scale."""
@@ -358,8 +373,6 @@ def test_q8_products_are_the_int8_activations_and_within_their_bound(qtype, m, n
 
 @pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
 def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
-    from ferry.model.quant import Q8_ISAS, q8_isa
-
     # An odd count of 32-blocks and 37 rows: a ragged last tile of 8 and of 16 lanes.
     n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
     raw = random_gguf_rows(qtype, n, k, seed=5).reshape(n, k // QUANT_TYPES[qtype].block, -1)
@@ -375,21 +388,12 @@ def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
     xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(2)) for m in (1, 9, 40)]
     xs[1][0], xs[1][1] = 1.0, -1.0
     xs[1][2] *= 1e-38  # scales below FLT_MIN: their blocks are zeros in every variant
-    best = q8_isa()
+    refs = [quant_linear(x, w) for _ in each_q8_isa(["portable"]) for x in xs]
     ran = []
-    try:
-        q8_isa("portable")
-        refs = [quant_linear(x, w) for x in xs]
-        for isa in Q8_ISAS[1:]:
-            try:
-                q8_isa(isa)
-            except ValueError:
-                continue  # this CPU lacks it
-            ran.append(isa)
-            for x, ref in zip(xs, refs):
-                assert torch.equal(quant_linear(x, w), ref), (isa, x.shape[0])
-    finally:
-        q8_isa(best)
+    for isa in each_q8_isa(Q8_ISAS[1:]):
+        ran.append(isa)
+        for x, ref in zip(xs, refs):
+            assert torch.equal(quant_linear(x, w), ref), (isa, x.shape[0])
     assert "avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX")
 
 

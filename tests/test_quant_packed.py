@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.model.quant import QUANT_TYPES, Q8_ISAS, packable, RowStack, dequantize, pack_rows16, packed, q8_isa, \
+from ferry.model.quant import QUANT_TYPES, packable, RowStack, dequantize, pack_rows16, packed, \
     quant_linear, repack, unpack_rows16
-from tests.test_quant import F16_FIELDS, random_gguf_rows, write_mixed_gguf
+from tests.test_quant import F16_FIELDS, each_q8_isa, random_gguf_rows, write_mixed_gguf
 
 PACKED = [t for t in QUANT_TYPES if packable(t)]
 SHAPES = {32: [(1, 32), (15, 96), (16, 64), (17, 576), (37, 544)], 256: [(1, 256), (15, 512), (17, 768), (37, 1536)]}
@@ -57,18 +57,11 @@ def test_packed_products_are_the_file_layout_s_bits_in_every_variant(qtype, n, k
     # 12 and 27: AMX passes of fewer than 16 rows (one alone, one after a full tile); 40: a vector tail.
     xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 2, 3, 4, 5, 9, 12, 27, 40)]
     xs[-1][0], xs[-1][1] = 1.0, -1.0  # rows of +127 and -127 levels against the extreme weights
-    best, ran = q8_isa(), []
-    try:
-        for isa in Q8_ISAS:
-            try:
-                q8_isa(isa)
-            except ValueError:
-                continue  # this CPU lacks it
-            ran.append(isa)
-            for x in xs:
-                assert torch.equal(quant_linear(x, p), quant_linear(x, w)), (isa, x.shape[0])
-    finally:
-        q8_isa(best)
+    ran = []
+    for isa in each_q8_isa():
+        ran.append(isa)
+        for x in xs:
+            assert torch.equal(quant_linear(x, p), quant_linear(x, w)), (isa, x.shape[0])
     assert "portable" in ran and ("avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX"))
 
 
@@ -83,17 +76,12 @@ def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
     w.activations = "q8"
     p = pack_rows16(w)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(9))
-    best, threads = q8_isa(), torch.get_num_threads()
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)  # more threads would give each fewer groups than two chunks
     try:
-        for isa in Q8_ISAS:
-            try:
-                q8_isa(isa)
-            except ValueError:
-                continue
+        for isa in each_q8_isa():
             assert torch.equal(quant_linear(x, p), quant_linear(x, w)), isa
     finally:
-        q8_isa(best)
         torch.set_num_threads(threads)
 
 

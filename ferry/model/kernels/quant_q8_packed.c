@@ -437,11 +437,18 @@ PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
         case QT_Q4_K: PACKED_ROWS(CALL, QT_Q4_K); break; case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; \
         default: PACKED_ROWS(CALL, QT_Q6_K); break;                                                  \
     }
+/* The types whose levels q8_packed_gemm decodes once per chunk (costly_levels): the passes that
+ * load decoded levels are compiled for these only. */
+#define COSTLY_CASES(CALL)                                                                           \
+    switch (type) {                                                                                  \
+        case QT_Q5_0: PACKED_ROWS(CALL, QT_Q5_0); break; case QT_Q5_1: PACKED_ROWS(CALL, QT_Q5_1); break; \
+        case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; default: PACKED_ROWS(CALL, QT_Q6_K); break; \
+    }
 #define PACKED_PASS(name, fn, isa)                                                                                \
     __attribute__((target(isa))) static void name(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,  \
                                                   float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,  \
                                                   const uint8_t *ahead, const uint8_t *lv) {                      \
-        if (lv) PACKED_CASES(fn##_CALL)                                                                           \
+        if (lv) COSTLY_CASES(fn##_CALL)                                                                           \
         else PACKED_CASES(fn##_CALL0)                                                                             \
     }
 /* _CALL0: without decoded levels, a NULL the compiler folds (a run-time test in the block loop
@@ -480,12 +487,9 @@ __attribute__((target("avx2"), always_inline)) static inline void decode8_of(con
             }
 }
 #define DECODE_CASES(fn)                                                                                  \
-    switch (type) {                                                                                       \
-        case QT_Q4_0: fn(g0, nrec, RB, QT_Q4_0, lv); break; case QT_Q4_1: fn(g0, nrec, RB, QT_Q4_1, lv); break; \
+    switch (type) { /* costly_levels' types */                                                           \
         case QT_Q5_0: fn(g0, nrec, RB, QT_Q5_0, lv); break; case QT_Q5_1: fn(g0, nrec, RB, QT_Q5_1, lv); break; \
-        case QT_Q8_0: fn(g0, nrec, RB, QT_Q8_0, lv); break; case QT_IQ4_NL: fn(g0, nrec, RB, QT_IQ4_NL, lv); break; \
-        case QT_Q4_K: fn(g0, nrec, RB, QT_Q4_K, lv); break; case QT_Q5_K: fn(g0, nrec, RB, QT_Q5_K, lv); break; \
-        default: fn(g0, nrec, RB, QT_Q6_K, lv); break;                                                    \
+        case QT_Q5_K: fn(g0, nrec, RB, QT_Q5_K, lv); break; default: fn(g0, nrec, RB, QT_Q6_K, lv); break; \
     }
 __attribute__((target(ISA_512))) static void decode_avx512(const uint8_t *g0, int64_t nrec, int64_t RB, int64_t type,
                                                            uint8_t *lv) {
