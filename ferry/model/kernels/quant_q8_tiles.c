@@ -206,7 +206,7 @@ __attribute__((target("avx2"), always_inline)) static inline void turn8(__m256i 
 static inline void prefetch_part(const uint8_t *p, int64_t span, int64_t part, int64_t parts) {
     const int64_t per = ((span + parts - 1) / parts + 63) / 64 * 64;
     for (int64_t off = part * per; off < (part + 1) * per && off < span; off += 64)
-        _mm_prefetch((const char *)p + off, _MM_HINT_T1);
+        __builtin_prefetch((const char *)p + off, 0, 2); /* prefetcht1; see quant_q8_packed.c's prefetch_span */
 }
 
 /* How many of the 8 rows from r0 are real (of nr). */
