@@ -122,8 +122,8 @@ static void packed_portable(const uint8_t *w, int64_t type, const xrows_t *x, fl
 }
 
 /* Asks for bytes of weights from p into L2. __builtin_prefetch (locality 2: prefetcht1), not
- * _mm_prefetch: gcc 12 drops _mm_prefetch inlined from a plain function into the passes' target
- * functions, and did here, silently (no prefetch instruction in the object) until this change. */
+ * _mm_prefetch: gcc 12 silently drops _mm_prefetch inlined from a plain function into the passes'
+ * target functions (tests/test_kernel_prefetch.py checks the compiled code keeps them). */
 static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
@@ -371,7 +371,7 @@ static inline int flush_of(int64_t t) { return t == QT_Q6_K ? 2 : t == QT_Q5_0 |
                 for (int r = 0; r < MR; r++) acc[hh][r] = o[hh][r] = _mm256_setzero_ps();                      \
             for (int64_t e = 0; e < nrec; e++) {                                                               \
                 const uint8_t *rec = g0 + e * RB;                                                              \
-                if (ahead && h0 == 0) prefetch_ahead(rec, RB, T);                                                    \
+                if (ahead && h0 == 0) prefetch_ahead(rec, RB, T);                                              \
                 for (int c = 0; c < CH; c++)                                                                   \
                     for (int hh = 0; hh < HS; hh++) {                                                          \
                         const int h = h0 + hh;                                                                 \
