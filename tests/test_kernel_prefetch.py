@@ -12,7 +12,7 @@ import pytest
 from ferry.model import kernels as K
 
 
-@pytest.mark.parametrize("name", ["quant_q8_packed.c", "quant_q8_tiles.c"])
+@pytest.mark.parametrize("name", ["quant_q8_packed.c"])
 def test_the_q8_products_keep_their_prefetch_instructions(name, tmp_path):
     cc = shutil.which("cc")
     if cc is None:

@@ -713,8 +713,7 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                 for (int64_t g = c0; g < c1; g++) {
                     const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
                     (amx ? packed_amx : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
-                                                   /* ahead: the first pass streams the group (AMX asks for the group two on) */
-                                                   m0 == 0 && !use ? w + (g + 2 < gb ? g + 2 : g) * GB : NULL,
+                                                   m0 == 0 && !use && g + 2 < gb ? w + (g + 2) * GB : NULL,
                                                    use && !amx ? lv + (g - c0) * LB : NULL);
                 }
             }

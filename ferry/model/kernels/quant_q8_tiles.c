@@ -199,16 +199,6 @@ __attribute__((target("avx2"), always_inline)) static inline void turn8(__m256i 
     for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(t->t + (C * 8 + j) * TR + r0), v[j]);
 }
 
-/* Weights stream from DRAM and the hardware prefetcher stops at each 4 KB page, so a kernel asks
- * for the weights it reads next (into L2), one part of them per step of its loop: their misses
- * overlap with each other and with the work (one request's decode step 20-27% faster when the
- * machine is not memory-contended, measured; no slower when it is). */
-static inline void prefetch_part(const uint8_t *p, int64_t span, int64_t part, int64_t parts) {
-    const int64_t per = ((span + parts - 1) / parts + 63) / 64 * 64;
-    for (int64_t off = part * per; off < (part + 1) * per && off < span; off += 64)
-        __builtin_prefetch((const char *)p + off, 0, 2); /* prefetcht1; see quant_q8_packed.c's prefetch_span */
-}
-
 /* How many of the 8 rows from r0 are real (of nr). */
 static inline int rows_from(int nr, int r0) { return nr - r0 < 0 ? 0 : nr - r0 < 8 ? nr - r0 : 8; }
 
@@ -504,7 +494,6 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i shifted_lev
                     P[c - c0][i] = OFF ? P32U(v, xv) : P32S(v, xv);                                             \
                 }                                                                                               \
             for (int64_t c = c0; c < ce; c++) {                                                                 \
-                prefetch_part(w + 2 * 8 * row_bytes, 8 * row_bytes, c, nc); /* two groups of 8 rows ahead */    \
                 if (!fast32(type) && c % 8 == 0) kscales8(w + (c / 8) * bytes, row_bytes, nr, type, ka, kb);   \
                 __m256i lo, hi;                                                                                 \
                 sum8(P[c - c0], &lo, &hi);                                                                      \
