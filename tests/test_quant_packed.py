@@ -1,4 +1,4 @@
-"""Weights packed by 16 rows for the q8 products (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K; (quant.pack_rows16,
+"""Weights packed by 16 rows for the q8 products (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS;
 kernels/quant_q8_packed.c): the file's bytes permuted, the same products bit for bit in every
 instruction-set variant and at every M, and what a q8 model packs."""
 from __future__ import annotations
@@ -28,8 +28,8 @@ def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def test_the_packed_types_are_the_32_blocks_and_k_quants_but_iq4_xs():
-    assert PACKED == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+def test_the_packed_types_are_every_32_block_and_super_block_type():
+    assert PACKED == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("qtype,n,k", CASES)
@@ -85,11 +85,12 @@ def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
         torch.set_num_threads(threads)
 
 
-def test_packed_picks_q8_32_block_weights_and_nothing_else():
+def test_packed_picks_q8_weights_and_nothing_else():
     q41 = repack(random_gguf_rows("Q4_1", 16, 256, 1), "Q4_1", (16, 256))
     iq4xs = repack(random_gguf_rows("IQ4_XS", 16, 256, 2), "IQ4_XS", (16, 256))
-    assert packed(q41) is q41  # exact mode: the file's layout
-    q41.activations = iq4xs.activations = "q8"
+    f32 = torch.randn(16, 256)
+    assert packed(q41) is q41 and packed(f32) is f32  # exact mode: the file's layout; floats as they are
+    q41.activations = "q8"
     assert packed(q41).packed and packed(iq4xs) is iq4xs
     stack = packed(RowStack([q41, iq4xs]))
     assert [p.packed for p in stack.parts] == [True, False]
@@ -97,8 +98,6 @@ def test_packed_picks_q8_32_block_weights_and_nothing_else():
     p.activations = "exact"
     with pytest.raises(ValueError, match="packed by 16 rows multiplies in q8 mode only"):
         quant_linear(torch.randn(1, 256), p)
-    with pytest.raises(ValueError, match="only unpacked"):
-        pack_rows16(iq4xs)
     with pytest.raises(ValueError, match="only unpacked"):
         pack_rows16(packed(q41))
     from ferry.model.quant import cat_rows

@@ -1,5 +1,5 @@
 /* q8 products with weights packed by 16 rows (ferry.model.quant.pack_rows16), at every M: Q4_0,
- * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K.
+ * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS.
  *
  * The file's layout keeps a row's blocks together, so a vector of levels holds 32 weights of ONE
  * row, and every product ends in sums across lanes (direct8's hadd tree) or a turned copy (the
@@ -13,8 +13,8 @@
  *     then each other field (scales, offsets, fifth bits, K-quants' packed scales as dwords) with
  *     the 16 rows side by side: [size * n + i] = byte i of the field in row n's block.
  * Bytes are a permutation of the file's (the last group's missing rows zero), so resident size is
- * the file's. Levels are the file's: Q8_0 / IQ4_NL's signed as they are, the others as unsigned
- * bits (Q4_0 / Q5_0 / Q6_K's being level + 8 / 16 / 32, the shift times the group's activation sum
+ * the file's. Levels are the file's: Q8_0 / IQ4_NL / IQ4_XS's signed as they are, the others as unsigned
+ * bits (Q4_0 / Q5_0 / Q3_K / Q6_K's being level + 8 / 16 / 4 / 32, the shift times the group's activation sum
  * taken back from the exact integer sum). So each output follows quant_q8_tiles.c's order, op for
  * op: the same bits as the file layout's products.
  */
@@ -34,7 +34,7 @@
 typedef struct {
     int64_t type;
     int nq, nf;
-    int q[2][2], f[5][2];
+    int q[2][2], f[6][2];
 } layout_t;
 static const layout_t LAYOUTS[] = {
     {QT_Q4_0, 1, 1, {{2, 16}}, {{0, 2}}},
@@ -47,6 +47,11 @@ static const layout_t LAYOUTS[] = {
     {QT_Q4_K, 1, 5, {{16, 128}}, {{0, 2}, {2, 2}, {4, 4}, {8, 4}, {12, 4}}},
     {QT_Q5_K, 2, 5, {{48, 128}, {16, 32}}, {{0, 2}, {2, 2}, {4, 4}, {8, 4}, {12, 4}}},
     {QT_Q6_K, 1, 5, {{0, 192}}, {{192, 4}, {196, 4}, {200, 4}, {204, 4}, {208, 2}}},
+    /* Q2_K: the 16 scale bytes as 4 dwords, d, dmin; Q3_K: qs, hmask as lines, 12 scale bytes as 3 dwords, d */
+    {QT_Q2_K, 1, 6, {{16, 64}}, {{0, 4}, {4, 4}, {8, 4}, {12, 4}, {80, 2}, {82, 2}}},
+    {QT_Q3_K, 2, 4, {{32, 64}, {0, 32}}, {{96, 4}, {100, 4}, {104, 4}, {108, 2}}},
+    /* IQ4_XS: d, the high scale bits (16 bits), the low ones (4 bytes) */
+    {QT_IQ4_XS, 1, 3, {{8, 128}}, {{0, 2}, {2, 2}, {4, 4}}},
 };
 #define N_LAYOUTS (int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0]))
 
@@ -83,27 +88,35 @@ static inline int32_t dword_at(const void *p) {
 }
 
 /* Per type, constants the kernels fold: blocks of 32 per record, the record's field offsets. */
-static inline int k_type(int64_t t) { return t == QT_Q4_K || t == QT_Q5_K || t == QT_Q6_K; }
+static inline int k_type(int64_t t) {
+    return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_Q6_K || t == QT_IQ4_XS;
+}
 static inline int chunks_of(int64_t t) { return k_type(t) ? 8 : 1; }
-static inline int signed_levels(int64_t t) { return t == QT_Q8_0 || t == QT_IQ4_NL; }
-static inline int has_m(int64_t t) { return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q4_K || t == QT_Q5_K; }
+static inline int signed_levels(int64_t t) { return t == QT_Q8_0 || t == QT_IQ4_NL || t == QT_IQ4_XS; }
+static inline int iq4(int64_t t) { return t == QT_IQ4_NL || t == QT_IQ4_XS; }
+static inline int has_m(int64_t t) { return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K; }
 static inline int has_qh(int64_t t) { return t == QT_Q5_0 || t == QT_Q5_1; }
-static inline int gs_of(int64_t t) { return t == QT_Q6_K ? 16 : 32; }
+static inline int gs_of(int64_t t) { return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q6_K ? 16 : 32; }
 /* The unsigned levels' shift: taken back as shift x the group's activation sum. */
-static inline int shift_of(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : t == QT_Q6_K ? 32 : 0; }
+static inline int shift_of(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : t == QT_Q3_K ? 4 : t == QT_Q6_K ? 32 : 0; }
 static inline int lines_bytes(int64_t t) {
     switch (t) {
         case QT_Q8_0: return 512;
+        case QT_Q2_K: return 1024;
+        case QT_Q3_K: return 1536;
         case QT_Q4_K: return 2048;
         case QT_Q5_K: return 2560;
         case QT_Q6_K: return 3072;
+        case QT_IQ4_XS: return 2048;
         default: return 256;
     }
 }
-static inline int d_at(int64_t t) { return lines_bytes(t) + (t == QT_Q6_K ? 256 : 0); }
+/* Q2_K, Q3_K and Q6_K keep the file's order: scale dwords, then d (and Q2_K's dmin). */
+static inline int scales_first(int64_t t) { return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q6_K; }
+static inline int d_at(int64_t t) { return lines_bytes(t) + (t == QT_Q3_K ? 192 : scales_first(t) ? 256 : 0); }
 static inline int m_at(int64_t t) { return d_at(t) + 32; } /* Q4_1 / Q5_1's m, K-quants' dmin */
 static inline int qh_at(int64_t t) { return d_at(t) + 32 + 32 * has_m(t); }
-static inline int u_at(int64_t t) { return t == QT_Q6_K ? lines_bytes(t) : d_at(t) + 64; } /* K scale dwords */
+static inline int u_at(int64_t t) { return scales_first(t) ? lines_bytes(t) : d_at(t) + 64; } /* K scale dwords */
 
 /* The portable variant: the rows gathered back into the file's blocks, then quant_q8_tiles.c's
  * portable products (a reference path: the copy costs nothing that matters). */
@@ -142,14 +155,27 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t RB, int64_t T) {
 #define ISA_512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 
 /* The 8 level vectors of 32-block chunk c of a record with 16 lanes: bytes 4i..4i+3 of lane n are
- * levels k_at(T, j) + i of row n. */
-static inline int k_at(int64_t t, int j) { return t == QT_Q8_0 || k_type(t) ? 4 * j : (j & 1) * 16 + 4 * (j >> 1); }
+ * levels k_at(T, j) + i of row n; with flip, signed levels plus 128 (their sign bits flipped). */
+static inline int k_at(int64_t t, int j) {
+    return (t == QT_Q8_0 || k_type(t)) && t != QT_IQ4_XS ? 4 * j : (j & 1) * 16 + 4 * (j >> 1);
+}
 
 __attribute__((target(ISA_512), always_inline)) static inline void levels16(const uint8_t *rec, const int64_t T, int c,
-                                                                            __m512i *v) {
+                                                                            __m512i *v, const int flip) {
     const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
+    const __m512i f80 = _mm512_set1_epi8(flip ? (char)0x80 : 0); /* flip: signed levels' sign bits flipped */
     if (T == QT_Q8_0) {
-        for (int L = 0; L < 8; L++) v[L] = _mm512_loadu_si512(rec + 64 * L);
+        for (int L = 0; L < 8; L++) v[L] = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * L), f80);
+    } else if (T == QT_Q2_K || T == QT_Q3_K) { /* element 128 (c / 4) + 32 (c % 4) + l: bits 2 (c % 4) of qs
+                                                  byte 32 (c / 4) + l; Q3_K's third, bit c of hmask byte l */
+        for (int L = 0; L < 8; L++) {
+            const __m512i raw = _mm512_loadu_si512(rec + 64 * (8 * (c / 4) + L));
+            v[L] = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (c % 4)), three);
+            if (T == QT_Q3_K) {
+                const __m512i hm = _mm512_loadu_si512(rec + 1024 + 64 * L);
+                v[L] = _mm512_or_si512(v[L], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hm, c), one), 2));
+            }
+        }
     } else if (T == QT_Q4_K || T == QT_Q5_K) { /* 32-byte pairs: chunk 2p's low nibbles, 2p + 1's high */
         for (int L = 0; L < 8; L++) {
             const __m512i raw = _mm512_loadu_si512(rec + 64 * (8 * (c / 2) + L));
@@ -167,12 +193,14 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
             v[L] = _mm512_or_si512(_mm512_and_si512(s < 2 ? l : _mm512_srli_epi16(l, 4), low),
                                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * s), three), 4));
         }
-    } else { /* 32-blocks of nibbles: line L's low nibbles are weights 4L.., its high ones 16 + 4L.. */
+    } else { /* 32-blocks of nibbles (IQ4_XS: chunk c's 4 lines): line L's low nibbles are weights 4L..,
+              * its high ones 16 + 4L.. */
+        if (T == QT_IQ4_XS) rec += 256 * c;
         const __m512i sixteen = _mm512_set1_epi8(16), sel = _mm512_set1_epi32(0x08040201);
         const __m512i qh = has_qh(T) ? _mm512_loadu_si512(rec + qh_at(T)) : _mm512_setzero_si512();
         const __m512i lo_idx = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000),
                       hi_idx = _mm512_add_epi8(lo_idx, _mm512_set1_epi8(2));
-        const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_IQ4));
+        const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_IQ4)), f80);
         for (int L = 0; L < 4; L++) {
             const __m512i raw = _mm512_loadu_si512(rec + 64 * L);
             __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -181,23 +209,41 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
                 lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(t, lo_idx), sel), sixteen));
                 hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(t, hi_idx), sel), sixteen));
             }
-            if (T == QT_IQ4_NL) lo = _mm512_shuffle_epi8(tab, lo), hi = _mm512_shuffle_epi8(tab, hi);
+            if (iq4(T)) lo = _mm512_shuffle_epi8(tab, lo), hi = _mm512_shuffle_epi8(tab, hi);
             v[2 * L] = lo;
             v[2 * L + 1] = hi;
         }
     }
 }
 
-/* Chunk c's scales with 16 lanes: A[0] (A[1]: Q6_K's second 16-group) and the offset B, as
- * levels32 / kscales8 compute them. */
+/* Chunk c's scales with 16 lanes: A[0] and the offset B[0] (A[1], B[1]: a 16-group type's second
+ * group), as unpack_block / levels32 / kscales8 compute them. */
 __attribute__((target(ISA_512), always_inline)) static inline void scales16(const uint8_t *rec, const int64_t T, int c,
                                                                             __m512 *A, __m512 *B) {
     const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_at(T))));
-    if (T == QT_Q4_K || T == QT_Q5_K) {
+    const __m512i ff = _mm512_set1_epi32(0xff);
+    if (T == QT_Q2_K) { /* scale bytes 2c, 2c + 1: d x (low nibble), -(dmin x high nibble) */
+        const __m512i u = _mm512_loadu_si512(rec + u_at(T) + 64 * (c / 2));
+        const __m512 DMIN = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
+        for (int g = 0; g < 2; g++) {
+            const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(u, 8 * (2 * (c % 2) + g)), ff);
+            A[g] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
+            B[g] = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(_mm512_mul_ps(DMIN, _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)))),
+                    _mm512_set1_epi32((int)0x80000000)));
+        }
+    } else if (T == QT_Q3_K) { /* 6-bit scales 2c, 2c + 1: low nibbles of dword (c % 4) / 2, high pairs of dword 2 */
+        const __m512i lw = _mm512_loadu_si512(rec + u_at(T) + 64 * ((c % 4) / 2)), u2 = _mm512_loadu_si512(rec + u_at(T) + 128);
+        const __m512i sc = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(lw, 4 * (c / 4)), _mm512_set1_epi8(15)),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u2, 2 * (c / 2)), _mm512_set1_epi8(3)), 4));
+        for (int g = 0; g < 2; g++)
+            A[g] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                    _mm512_and_si512(_mm512_srli_epi32(sc, 8 * (2 * (c % 2) + g)), ff), _mm512_set1_epi32(32))));
+    } else if (T == QT_Q4_K || T == QT_Q5_K) {
         const __m512i u0 = _mm512_loadu_si512(rec + u_at(T)), u1 = _mm512_loadu_si512(rec + u_at(T) + 64),
                       u2 = _mm512_loadu_si512(rec + u_at(T) + 128);
-        const __m512i m6 = _mm512_set1_epi8(63), m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30),
-                      ff = _mm512_set1_epi32(0xff);
+        const __m512i m6 = _mm512_set1_epi8(63), m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
         const __m512i sc = c < 4 ? _mm512_and_si512(u0, m6)
                                  : _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_and_si512(_mm512_srli_epi32(u0, 2), m30));
         const __m512i mn = c < 4 ? _mm512_and_si512(u1, m6)
@@ -207,7 +253,13 @@ __attribute__((target(ISA_512), always_inline)) static inline void scales16(cons
         const __m512 fm = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn, 8 * (c % 4)), ff));
         const __m512 DMIN = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
         A[0] = _mm512_mul_ps(D, fs);
-        *B = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(DMIN, fm)), _mm512_set1_epi32((int)0x80000000)));
+        B[0] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(DMIN, fm)), _mm512_set1_epi32((int)0x80000000)));
+    } else if (T == QT_IQ4_XS) { /* 6-bit scale c - 32: nibble c of the low bytes, bits 2c of the high ones */
+        const __m512i sh = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + d_at(T) + 32)));
+        const __m512i sl = _mm512_loadu_si512(rec + d_at(T) + 64);
+        const __m512i ls = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(sl, 4 * c), _mm512_set1_epi32(15)),
+                                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * c), _mm512_set1_epi32(3)), 4));
+        A[0] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
     } else if (T == QT_Q6_K) { /* the int8 scales of 16-groups 2c and 2c + 1 */
         const __m512i u = _mm512_loadu_si512(rec + u_at(T) + 64 * (c / 2));
         const int b0 = 2 * (c % 2);
@@ -215,19 +267,19 @@ __attribute__((target(ISA_512), always_inline)) static inline void scales16(cons
         A[1] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 16 - 8 * b0), 24)));
     } else {
         A[0] = D;
-        if (has_m(T)) *B = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
+        if (has_m(T)) B[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
     }
 }
 
 /* Rows [m0, m0 + MR) of one group with 16 lanes and AVX-512 VNNI's dpbusd: unsigned levels against
- * the activations, signed ones (Q8_0, IQ4_NL) against the activations plus 128, less 128 times the
- * levels' sum. */
+ * the activations; signed ones (Q8_0, IQ4_NL, IQ4_XS) with their sign bits flipped (the level plus
+ * 128), less 128 times the activations' sum (one xor a vector where 128 times the levels' own sum
+ * took 8 more dpbusd a chunk: that sum changes with every group, the activations' only per row). */
 __attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
         const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR, int64_t N,
         int nr, const int64_t T, const uint8_t *ahead, const uint8_t *lv) {
     const int64_t K = x->K;
-    const int OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
-    const __m512i ones8 = _mm512_set1_epi8(1);
+    const int OFF = has_m(T), SH = signed_levels(T) ? 128 : shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
     __m512 acc[R], o[R];
     for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm512_setzero_ps();
     for (int64_t e = 0; e < nrec; e++) {
@@ -235,35 +287,29 @@ __attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
         if (ahead) prefetch_ahead(rec, RB, T);
         for (int c = 0; c < CH; c++) {
             const int64_t blk = e * CH + c;
-            __m512i v[8], w128 = _mm512_setzero_si512();
-            __m512 A[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, B = _mm512_setzero_ps();
+            __m512i v[8];
+            __m512 A[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, B[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
             if (lv)
                 for (int L = 0; L < 8; L++) v[L] = _mm512_load_si512(lv + 64 * (8 * blk + L));
             else
-                levels16(rec, T, c, v);
-            scales16(rec, T, c, A, &B);
-            if (signed_levels(T)) {
-                for (int j = 0; j < 8; j++) w128 = _mm512_dpbusd_epi32(w128, ones8, v[j]);
-                w128 = _mm512_slli_epi32(w128, 7);
-            }
+                levels16(rec, T, c, v, 1); /* signed levels with sign bits flipped: plus 128, unsigned */
+            scales16(rec, T, c, A, B);
             for (int r = 0; r < MR; r++) {
                 const int64_t m = m0 + r;
                 const int8_t *xq = x->q + m * K + 32 * blk;
-                const uint8_t *xu = x->u + m * K + 32 * blk;
                 __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                 for (int j = 0; j < 8; j++) {
                     const int g = G2 && j >= 4;
-                    s[g] = signed_levels(T) ? _mm512_dpbusd_epi32(s[g], _mm512_set1_epi32(dword_at(xu + k_at(T, j))), v[j])
-                                            : _mm512_dpbusd_epi32(s[g], v[j], _mm512_set1_epi32(dword_at(xq + k_at(T, j))));
+                    s[g] = _mm512_dpbusd_epi32(s[g], v[j], _mm512_set1_epi32(dword_at(xq + k_at(T, j))));
                 }
-                if (signed_levels(T)) s[0] = _mm512_sub_epi32(s[0], w128);
                 const __m512 dx = _mm512_set1_ps(x->dx[m * x->nb + blk]);
                 for (int g = 0; g <= G2; g++) {
                     __m512i si = s[g];
                     if (SH) si = _mm512_sub_epi32(si, _mm512_set1_epi32(SH * x->bsum[G2 ? m * (K / 16) + 2 * blk + g : m * x->nb + blk]));
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(A[g], dx), acc[r]);
                 }
-                if (OFF) o[r] = _mm512_fmadd_ps(B, _mm512_set1_ps(x->xsum[m * x->ng + blk]), o[r]);
+                for (int g = 0; OFF && g <= G2; g++)
+                    o[r] = _mm512_fmadd_ps(B[g], _mm512_set1_ps(x->xsum[m * x->ng + (G2 ? 2 * blk + g : blk)]), o[r]);
             }
         }
     }
@@ -278,6 +324,15 @@ __attribute__((target("avx2"), always_inline)) static inline void levels8(const 
     rec += 32 * h;
     if (T == QT_Q8_0) {
         for (int L = 0; L < 8; L++) v[L] = _mm256_loadu_si256((const __m256i *)(rec + 64 * L));
+    } else if (T == QT_Q2_K || T == QT_Q3_K) {
+        for (int L = 0; L < 8; L++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * (8 * (c / 4) + L)));
+            v[L] = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * (c % 4)), three);
+            if (T == QT_Q3_K) {
+                const __m256i hm = _mm256_loadu_si256((const __m256i *)(rec + 1024 + 64 * L));
+                v[L] = _mm256_or_si256(v[L], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, c), one), 2));
+            }
+        }
     } else if (T == QT_Q4_K || T == QT_Q5_K) {
         for (int L = 0; L < 8; L++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * (8 * (c / 2) + L)));
@@ -296,6 +351,7 @@ __attribute__((target("avx2"), always_inline)) static inline void levels8(const 
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hq, 2 * s), three), 4));
         }
     } else {
+        if (T == QT_IQ4_XS) rec += 256 * c;
         const __m256i sixteen = _mm256_set1_epi8(16), sel = _mm256_set1_epi32(0x08040201);
         const __m256i qh = has_qh(T) ? _mm256_loadu_si256((const __m256i *)(rec + qh_at(T))) : _mm256_setzero_si256();
         const __m256i lo_idx = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
@@ -312,7 +368,7 @@ __attribute__((target("avx2"), always_inline)) static inline void levels8(const 
                 lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(tl, sel), sixteen));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(th, sel), sixteen));
             }
-            if (T == QT_IQ4_NL) lo = _mm256_shuffle_epi8(tab, lo), hi = _mm256_shuffle_epi8(tab, hi);
+            if (iq4(T)) lo = _mm256_shuffle_epi8(tab, lo), hi = _mm256_shuffle_epi8(tab, hi);
             v[2 * L] = lo;
             v[2 * L + 1] = hi;
         }
@@ -323,12 +379,30 @@ __attribute__((target("avx2"), always_inline)) static inline void levels8(const 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scales8(const uint8_t *rec, const int64_t T,
                                                                                    int c, int h, __m256 *A, __m256 *B) {
     const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(T) + 16 * h)));
-    if (T == QT_Q4_K || T == QT_Q5_K) {
+    const __m256i ff = _mm256_set1_epi32(0xff);
+    if (T == QT_Q2_K) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(rec + u_at(T) + 64 * (c / 2) + 32 * h));
+        const __m256 DMIN = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
+        for (int g = 0; g < 2; g++) {
+            const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(u, 8 * (2 * (c % 2) + g)), ff);
+            A[g] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
+            B[g] = _mm256_xor_ps(_mm256_mul_ps(DMIN, _mm256_cvtepi32_ps(_mm256_srli_epi32(sc, 4))), _mm256_set1_ps(-0.f));
+        }
+    } else if (T == QT_Q3_K) {
+        const uint8_t *u = rec + u_at(T) + 32 * h;
+        const __m256i lw = _mm256_loadu_si256((const __m256i *)(u + 64 * ((c % 4) / 2)));
+        const __m256i u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
+        const __m256i sc = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(lw, 4 * (c / 4)), _mm256_set1_epi8(15)),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u2, 2 * (c / 2)), _mm256_set1_epi8(3)), 4));
+        for (int g = 0; g < 2; g++)
+            A[g] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                    _mm256_and_si256(_mm256_srli_epi32(sc, 8 * (2 * (c % 2) + g)), ff), _mm256_set1_epi32(32))));
+    } else if (T == QT_Q4_K || T == QT_Q5_K) {
         const uint8_t *u = rec + u_at(T) + 32 * h;
         const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 64)),
                       u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
-        const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30),
-                      ff = _mm256_set1_epi32(0xff);
+        const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
         const __m256i sc = c < 4 ? _mm256_and_si256(u0, m6)
                                  : _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30));
         const __m256i mn = c < 4 ? _mm256_and_si256(u1, m6)
@@ -338,7 +412,13 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scale
         const __m256 fm = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn, 8 * (c % 4)), ff));
         const __m256 DMIN = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
         A[0] = _mm256_mul_ps(D, fs);
-        *B = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), _mm256_set1_ps(-0.f));
+        B[0] = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), _mm256_set1_ps(-0.f));
+    } else if (T == QT_IQ4_XS) {
+        const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rec + d_at(T) + 32 + 16 * h)));
+        const __m256i sl = _mm256_loadu_si256((const __m256i *)(rec + d_at(T) + 64 + 32 * h));
+        const __m256i ls = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(sl, 4 * c), _mm256_set1_epi32(15)),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(sh, 2 * c), _mm256_set1_epi32(3)), 4));
+        A[0] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
     } else if (T == QT_Q6_K) {
         const __m256i u = _mm256_loadu_si256((const __m256i *)(rec + u_at(T) + 64 * (c / 2) + 32 * h));
         const int b0 = 2 * (c % 2);
@@ -346,13 +426,16 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scale
         A[1] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(u, 16 - 8 * b0), 24)));
     } else {
         A[0] = D;
-        if (has_m(T)) *B = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
+        if (has_m(T)) B[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
     }
 }
 
 /* The largest unsigned level of a type: how many maddubs results an int16 lane can add (two
- * products each, activations up to 127) before madd widens them. */
-static inline int flush_of(int64_t t) { return t == QT_Q6_K ? 2 : t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K ? 4 : 8; }
+ * products each, activations up to 127) before madd widens them; a 16-group's 4 at most, whose sum
+ * stays its own. */
+static inline int flush_of(int64_t t) {
+    return t == QT_Q6_K ? 2 : t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K || gs_of(t) == 16 ? 4 : 8;
+}
 
 /* packed16_of with 8 lanes: maddubs's int16 pairs, `flush` vectors at a time, then one madd;
  * signed levels through |w| and x with w's sign; or AVX-VNNI's dpbusd as packed16_of. One
@@ -377,13 +460,14 @@ static inline int flush_of(int64_t t) { return t == QT_Q6_K ? 2 : t == QT_Q5_0 |
                         const int h = h0 + hh;                                                                 \
                         const int64_t blk = e * CH + c;                                                        \
                         __m256i v[8], w128 = _mm256_setzero_si256();                                           \
-                        __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, B = _mm256_setzero_ps();     \
+                        const __m256 z = _mm256_setzero_ps();                                                  \
+                        __m256 A[2] = {z, z}, B[2] = {z, z};                                                   \
                         if (lv)                                                                                \
                             for (int L = 0; L < 8; L++)                                                        \
                                 v[L] = _mm256_load_si256((const __m256i *)(lv + 64 * (8 * blk + L) + 32 * h)); \
                         else                                                                                   \
                             levels8(rec, T, c, h, v);                                                          \
-                        scales8(rec, T, c, h, A, &B);                                                          \
+                        scales8(rec, T, c, h, A, B);                                                           \
                         if (VNNI && signed_levels(T)) {                                                        \
                             for (int j = 0; j < 8; j++) w128 = _mm256_dpbusd_avx_epi32(w128, ones8, v[j]);     \
                             w128 = _mm256_slli_epi32(w128, 7);                                                 \
@@ -418,7 +502,9 @@ static inline int flush_of(int64_t t) { return t == QT_Q6_K ? 2 : t == QT_Q5_0 |
                                         SH * x->bsum[G2 ? m * (K / 16) + 2 * blk + g : m * x->nb + blk]));     \
                                 acc[hh][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(A[g], dx), acc[hh][r]); \
                             }                                                                                  \
-                            if (OFF) o[hh][r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[m * x->ng + blk]), o[hh][r]); \
+                            for (int g = 0; OFF && g <= G2; g++)                                               \
+                                o[hh][r] = _mm256_fmadd_ps(B[g], _mm256_set1_ps(                               \
+                                        x->xsum[m * x->ng + (G2 ? 2 * blk + g : blk)]), o[hh][r]);             \
                         }                                                                                      \
                     }                                                                                          \
             }                                                                                                  \
@@ -446,14 +532,16 @@ PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
         case QT_Q4_0: PACKED_ROWS(CALL, QT_Q4_0); break; case QT_Q4_1: PACKED_ROWS(CALL, QT_Q4_1); break; \
         case QT_Q5_0: PACKED_ROWS(CALL, QT_Q5_0); break; case QT_Q5_1: PACKED_ROWS(CALL, QT_Q5_1); break; \
         case QT_Q8_0: PACKED_ROWS(CALL, QT_Q8_0); break; case QT_IQ4_NL: PACKED_ROWS(CALL, QT_IQ4_NL); break; \
+        case QT_Q2_K: PACKED_ROWS(CALL, QT_Q2_K); break; case QT_Q3_K: PACKED_ROWS(CALL, QT_Q3_K); break; \
         case QT_Q4_K: PACKED_ROWS(CALL, QT_Q4_K); break; case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; \
-        default: PACKED_ROWS(CALL, QT_Q6_K); break;                                                  \
+        case QT_IQ4_XS: PACKED_ROWS(CALL, QT_IQ4_XS); break; default: PACKED_ROWS(CALL, QT_Q6_K); break; \
     }
 /* The types whose levels q8_packed_gemm decodes once per chunk (costly_levels): the passes that
  * load decoded levels are compiled for these only. */
 #define COSTLY_CASES(CALL)                                                                           \
     switch (type) {                                                                                  \
         case QT_Q5_0: PACKED_ROWS(CALL, QT_Q5_0); break; case QT_Q5_1: PACKED_ROWS(CALL, QT_Q5_1); break; \
+        case QT_Q3_K: PACKED_ROWS(CALL, QT_Q3_K); break; \
         case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; default: PACKED_ROWS(CALL, QT_Q6_K); break; \
     }
 #define PACKED_PASS(name, fn, isa)                                                                                \
@@ -483,7 +571,7 @@ __attribute__((target(ISA_512), always_inline)) static inline void decode16_of(c
     for (int64_t e = 0; e < nrec; e++)
         for (int c = 0; c < chunks_of(T); c++) {
             __m512i v[8];
-            levels16(g0 + e * RB, T, c, v);
+            levels16(g0 + e * RB, T, c, v, 0);
             for (int L = 0; L < 8; L++) _mm512_store_si512(lv + 64 * (8 * (e * chunks_of(T) + c) + L), v[L]);
         }
 }
@@ -501,6 +589,7 @@ __attribute__((target("avx2"), always_inline)) static inline void decode8_of(con
 #define DECODE_CASES(fn)                                                                                  \
     switch (type) { /* costly_levels' types */                                                           \
         case QT_Q5_0: fn(g0, nrec, RB, QT_Q5_0, lv); break; case QT_Q5_1: fn(g0, nrec, RB, QT_Q5_1, lv); break; \
+        case QT_Q3_K: fn(g0, nrec, RB, QT_Q3_K, lv); break; \
         case QT_Q5_K: fn(g0, nrec, RB, QT_Q5_K, lv); break; default: fn(g0, nrec, RB, QT_Q6_K, lv); break; \
     }
 __attribute__((target(ISA_512))) static void decode_avx512(const uint8_t *g0, int64_t nrec, int64_t RB, int64_t type,
@@ -573,7 +662,7 @@ __attribute__((target(ISA_AMX_T))) static void amx_config(int mr, int g2) {
 __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_levels(const uint8_t *g0, int64_t RB, int64_t q,
                                                                                const int64_t T, uint8_t *lvp) {
     __m512i v[8];
-    levels16(g0 + q / chunks_of(T) * RB, T, (int)(q % chunks_of(T)), v);
+    levels16(g0 + q / chunks_of(T) * RB, T, (int)(q % chunks_of(T)), v, 0);
     for (int j = 0; j < 8; j++) _mm512_store_si512(lvp + 16 * k_at(T, j), v[j]);
 }
 
@@ -585,7 +674,7 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
         int nr, const int64_t T, const uint8_t *ahead) {
     const int64_t K = x->K, nq = nrec * chunks_of(T);
     const int OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
-    __m512 acc[16], o[16], sa[2][2], sb[2];
+    __m512 acc[16], o[16], sa[2][2], sb[2][2];
     uint8_t lv[AMX_AHEAD][512] __attribute__((aligned(64)));
     int32_t cs[2][2][16][16] __attribute__((aligned(64)));
     for (int r = 0; r < mr; r++) acc[r] = o[r] = _mm512_setzero_ps();
@@ -596,8 +685,8 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
             const int c = (int)(q % CH), p = (int)(q & 1);
             const uint8_t *rec = g0 + e * RB;
             if (ahead && c == 0) prefetch_span(ahead + e * RB, RB);
-            sa[p][0] = sa[p][1] = sb[p] = _mm512_setzero_ps();
-            scales16(rec, T, c, sa[p], &sb[p]);
+            sa[p][0] = sa[p][1] = sb[p][0] = sb[p][1] = _mm512_setzero_ps();
+            scales16(rec, T, c, sa[p], sb[p]);
             const int8_t *xq = x->q + m0 * K + 32 * q;
             uint8_t *lvq = lv[q % AMX_AHEAD];
             if (p) AMX_SUMS(4, 5, 6, 7, lvq, cs[1]);
@@ -615,7 +704,8 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
                     if (SH) si = _mm512_sub_epi32(si, _mm512_set1_epi32(SH * x->bsum[G2 ? m * (K / 16) + 2 * blk + g : m * x->nb + blk]));
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(sa[p][g], dx), acc[r]);
                 }
-                if (OFF) o[r] = _mm512_fmadd_ps(sb[p], _mm512_set1_ps(x->xsum[m * x->ng + blk]), o[r]);
+                for (int g = 0; OFF && g <= G2; g++)
+                    o[r] = _mm512_fmadd_ps(sb[p][g], _mm512_set1_ps(x->xsum[m * x->ng + (G2 ? 2 * blk + g : blk)]), o[r]);
             }
         }
     }
@@ -632,7 +722,9 @@ __attribute__((target(ISA_AMX_T))) static void packed_amx(const uint8_t *g0, int
         case QT_Q4_0: amx_of_CALL(QT_Q4_0); break; case QT_Q4_1: amx_of_CALL(QT_Q4_1); break;
         case QT_Q5_0: amx_of_CALL(QT_Q5_0); break; case QT_Q5_1: amx_of_CALL(QT_Q5_1); break;
         case QT_Q8_0: amx_of_CALL(QT_Q8_0); break; case QT_IQ4_NL: amx_of_CALL(QT_IQ4_NL); break;
+        case QT_Q2_K: amx_of_CALL(QT_Q2_K); break; case QT_Q3_K: amx_of_CALL(QT_Q3_K); break;
         case QT_Q4_K: amx_of_CALL(QT_Q4_K); break; case QT_Q5_K: amx_of_CALL(QT_Q5_K); break;
+        case QT_IQ4_XS: amx_of_CALL(QT_IQ4_XS); break;
         default: amx_of_CALL(QT_Q6_K); break;
     }
 }
@@ -657,7 +749,7 @@ typedef void (*decode_fn)(const uint8_t *g0, int64_t nrec, int64_t RB, int64_t t
  * Q6_K 1.32 / 1.23x; 16 rows Q6_K 1.52 / 1.13x. For 4-bit nibbles (two instructions a vector) the
  * extra loads and stores cost more than they save (Q4_1 16 rows: 1.4x slower). */
 #define PRE_PASSES 4
-static inline int costly_levels(int64_t t) { return has_qh(t) || t == QT_Q5_K || t == QT_Q6_K; }
+static inline int costly_levels(int64_t t) { return has_qh(t) || t == QT_Q3_K || t == QT_Q5_K || t == QT_Q6_K; }
 
 /* The thread's buffer of decoded levels, grown as needed and kept (torch's OpenMP threads live as
  * long as the process; a chunk's decoded levels are 1.2-1.5x its 128 KB of weights). */
@@ -675,9 +767,10 @@ static uint8_t *levels_buffer(size_t bytes) {
 
 /* What q8_packed_gemm needs of the activations (q8_quantize_rows's flags; bsum per 16 for Q6_K). */
 void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs) {
-    *want_u = signed_levels(type) && (isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI || isa == ISA_AMX);
+    const int flipped = signed_levels(type) && (isa == ISA_AVX512VNNI || isa == ISA_AMX); /* packed16_of's */
+    *want_u = signed_levels(type) && isa == ISA_AVXVNNI;
     *want_sum = has_m(type);
-    *bsum_gs = shift_of(type) ? gs_of(type) : 0;
+    *bsum_gs = shift_of(type) || flipped ? gs_of(type) : 0;
 }
 
 /* y[M, N] = x @ w^T for a packed weight w, x quantized as q8_packed_needs says. */
