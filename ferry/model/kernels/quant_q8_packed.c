@@ -163,6 +163,7 @@ static inline int k_at(int64_t t, int j) {
 __attribute__((target(ISA_512), always_inline)) static inline void levels16(const uint8_t *rec, const int64_t T, int c,
                                                                             __m512i *v, const int flip) {
     const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
+    const __m512i four = _mm512_set1_epi8(4);
     const __m512i f80 = _mm512_set1_epi8(flip ? (char)0x80 : 0); /* flip: signed levels' sign bits flipped */
     if (T == QT_Q8_0) {
         for (int L = 0; L < 8; L++) v[L] = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * L), f80);
@@ -172,8 +173,9 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
             const __m512i raw = _mm512_loadu_si512(rec + 64 * (8 * (c / 4) + L));
             v[L] = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (c % 4)), three);
             if (T == QT_Q3_K) {
-                const __m512i hm = _mm512_loadu_si512(rec + 1024 + 64 * L);
-                v[L] = _mm512_or_si512(v[L], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hm, c), one), 2));
+                const __m512i hm = _mm512_loadu_si512(rec + 1024 + 64 * L); /* bit c to bit 2 in one shift */
+                const __m512i hb = c >= 2 ? _mm512_srli_epi16(hm, c - 2) : _mm512_slli_epi16(hm, 2 - c);
+                v[L] = _mm512_or_si512(v[L], _mm512_and_si512(hb, four));
             }
         }
     } else if (T == QT_Q4_K || T == QT_Q5_K) { /* 32-byte pairs: chunk 2p's low nibbles, 2p + 1's high */
