@@ -791,7 +791,8 @@ static uint8_t *levels_buffer(size_t bytes) {
     return buf;
 }
 
-/* What q8_packed_gemm needs of the activations (q8_quantize_rows's flags; bsum per 16 for Q6_K). */
+/* What q8_packed_gemm needs of the activations (q8_quantize_rows's flags; bsum per scale group for
+ * the shifted and the flipped levels). */
 void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs) {
     const int flipped = signed_levels(type) && (isa == ISA_AVX512VNNI || isa == ISA_AMX); /* packed16_of's */
     *want_u = signed_levels(type) && isa == ISA_AVXVNNI;

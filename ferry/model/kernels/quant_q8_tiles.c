@@ -1,5 +1,7 @@
 /* q8 products at every number of rows: y[M, N] = x[M, K] @ w[N, K]^T with x quantized per block of
- * 32 to int8 (q8_quantize_row) and integer dot products, a vector lane per weight row.
+ * 32 to int8 (q8_quantize_row) and integer dot products, a vector lane per weight row, for weights
+ * in the file's layout: a model's q8 weights are packed by 16 rows at load (quant_q8_packed.c, every
+ * type), whose products these define and match bit for bit.
  *
  * TR weight rows (a tile: 8, or 16 with AVX-512 VNNI) are unpacked to int8 levels (q8_unpack_row) and
  * turned so that dword d of the tile holds levels 4d..4d+3 of each of its rows side by side. One
