@@ -85,12 +85,16 @@ def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
         torch.set_num_threads(threads)
 
 
-def test_packed_picks_q8_weights_and_nothing_else():
+def test_packed_picks_q8_weights_of_the_table_s_types_and_nothing_else(monkeypatch):
+    import ferry.model.quant as quant
+
+    # Every type has a layout now: IQ4_XS stands for a type the table might not pack.
+    monkeypatch.setattr(quant, "packable", lambda qtype: qtype != "IQ4_XS")
     q41 = repack(random_gguf_rows("Q4_1", 16, 256, 1), "Q4_1", (16, 256))
     iq4xs = repack(random_gguf_rows("IQ4_XS", 16, 256, 2), "IQ4_XS", (16, 256))
     f32 = torch.randn(16, 256)
     assert packed(q41) is q41 and packed(f32) is f32  # exact mode: the file's layout; floats as they are
-    q41.activations = "q8"
+    q41.activations = iq4xs.activations = "q8"
     assert packed(q41).packed and packed(iq4xs) is iq4xs
     stack = packed(RowStack([q41, iq4xs]))
     assert [p.packed for p in stack.parts] == [True, False]
@@ -98,6 +102,8 @@ def test_packed_picks_q8_weights_and_nothing_else():
     p.activations = "exact"
     with pytest.raises(ValueError, match="packed by 16 rows multiplies in q8 mode only"):
         quant_linear(torch.randn(1, 256), p)
+    with pytest.raises(ValueError, match="only unpacked"):
+        pack_rows16(iq4xs)
     with pytest.raises(ValueError, match="only unpacked"):
         pack_rows16(packed(q41))
     from ferry.model.quant import cat_rows

@@ -96,6 +96,8 @@ static inline int signed_levels(int64_t t) { return t == QT_Q8_0 || t == QT_IQ4_
 static inline int iq4(int64_t t) { return t == QT_IQ4_NL || t == QT_IQ4_XS; }
 static inline int has_m(int64_t t) { return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K; }
 static inline int has_qh(int64_t t) { return t == QT_Q5_0 || t == QT_Q5_1; }
+/* A 32-chunk's levels as 16 bytes of nibbles, the low ones first (not the K-quants' order). */
+static inline int nibble_pairs(int64_t t) { return t == QT_Q4_0 || t == QT_Q4_1 || has_qh(t) || iq4(t); }
 static inline int gs_of(int64_t t) { return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q6_K ? 16 : 32; }
 /* The unsigned levels' shift: taken back as shift x the group's activation sum. */
 static inline int shift_of(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : t == QT_Q3_K ? 4 : t == QT_Q6_K ? 32 : 0; }
@@ -156,9 +158,7 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t RB, int64_t T) {
 
 /* The 8 level vectors of 32-block chunk c of a record with 16 lanes: bytes 4i..4i+3 of lane n are
  * levels k_at(T, j) + i of row n; with flip, signed levels plus 128 (their sign bits flipped). */
-static inline int k_at(int64_t t, int j) {
-    return (t == QT_Q8_0 || k_type(t)) && t != QT_IQ4_XS ? 4 * j : (j & 1) * 16 + 4 * (j >> 1);
-}
+static inline int k_at(int64_t t, int j) { return nibble_pairs(t) ? (j & 1) * 16 + 4 * (j >> 1) : 4 * j; }
 
 __attribute__((target(ISA_512), always_inline)) static inline void levels16(const uint8_t *rec, const int64_t T, int c,
                                                                             __m512i *v, const int flip) {
@@ -523,35 +523,37 @@ static inline int flush_of(int64_t t) {
 PACKED8(packed8_avx2, "avx2,fma,f16c", 0)
 PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
 
-/* Each (rows, type) pass compiled with both constant, so the loops unroll and the type's branches fold. */
-#define PACKED_ROWS(CALL, T)                                                                         \
-    switch (mr) {                                                                                    \
-        case 1: CALL(1, T); break; case 2: CALL(2, T); break; case 3: CALL(3, T); break;             \
-        default: CALL(4, T); break;                                                                  \
-    }
-#define PACKED_CASES(CALL)                                                                           \
+/* Each (rows, type) pass compiled with both constant, so the loops unroll and the type's branches
+ * fold: EACH(CALL, T) for the type at hand. */
+#define TYPE_CASES(EACH, CALL)                                                                       \
     switch (type) {                                                                                  \
-        case QT_Q4_0: PACKED_ROWS(CALL, QT_Q4_0); break; case QT_Q4_1: PACKED_ROWS(CALL, QT_Q4_1); break; \
-        case QT_Q5_0: PACKED_ROWS(CALL, QT_Q5_0); break; case QT_Q5_1: PACKED_ROWS(CALL, QT_Q5_1); break; \
-        case QT_Q8_0: PACKED_ROWS(CALL, QT_Q8_0); break; case QT_IQ4_NL: PACKED_ROWS(CALL, QT_IQ4_NL); break; \
-        case QT_Q2_K: PACKED_ROWS(CALL, QT_Q2_K); break; case QT_Q3_K: PACKED_ROWS(CALL, QT_Q3_K); break; \
-        case QT_Q4_K: PACKED_ROWS(CALL, QT_Q4_K); break; case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; \
-        case QT_IQ4_XS: PACKED_ROWS(CALL, QT_IQ4_XS); break; default: PACKED_ROWS(CALL, QT_Q6_K); break; \
+        case QT_Q4_0: EACH(CALL, QT_Q4_0); break; case QT_Q4_1: EACH(CALL, QT_Q4_1); break;          \
+        case QT_Q5_0: EACH(CALL, QT_Q5_0); break; case QT_Q5_1: EACH(CALL, QT_Q5_1); break;          \
+        case QT_Q8_0: EACH(CALL, QT_Q8_0); break; case QT_IQ4_NL: EACH(CALL, QT_IQ4_NL); break;      \
+        case QT_Q2_K: EACH(CALL, QT_Q2_K); break; case QT_Q3_K: EACH(CALL, QT_Q3_K); break;          \
+        case QT_Q4_K: EACH(CALL, QT_Q4_K); break; case QT_Q5_K: EACH(CALL, QT_Q5_K); break;          \
+        case QT_IQ4_XS: EACH(CALL, QT_IQ4_XS); break; default: EACH(CALL, QT_Q6_K); break;           \
     }
 /* The types whose levels q8_packed_gemm decodes once per chunk (costly_levels): the passes that
  * load decoded levels are compiled for these only. */
-#define COSTLY_CASES(CALL)                                                                           \
+#define COSTLY_CASES(EACH, CALL)                                                                     \
     switch (type) {                                                                                  \
-        case QT_Q5_0: PACKED_ROWS(CALL, QT_Q5_0); break; case QT_Q5_1: PACKED_ROWS(CALL, QT_Q5_1); break; \
-        case QT_Q3_K: PACKED_ROWS(CALL, QT_Q3_K); break; \
-        case QT_Q5_K: PACKED_ROWS(CALL, QT_Q5_K); break; default: PACKED_ROWS(CALL, QT_Q6_K); break; \
+        case QT_Q5_0: EACH(CALL, QT_Q5_0); break; case QT_Q5_1: EACH(CALL, QT_Q5_1); break;          \
+        case QT_Q3_K: EACH(CALL, QT_Q3_K); break; case QT_Q5_K: EACH(CALL, QT_Q5_K); break;          \
+        default: EACH(CALL, QT_Q6_K); break;                                                         \
     }
+/* Passes of 2-4 rows (one row has its own, below). */
+#define ROWS_2_TO_4(CALL, T)                                                                         \
+    switch (mr) {                                                                                    \
+        case 2: CALL(2, T); break; case 3: CALL(3, T); break; default: CALL(4, T); break;            \
+    }
+#define ONE_ROW(CALL, T) CALL(1, T)
 #define PACKED_PASS(name, fn, isa)                                                                                \
     __attribute__((target(isa))) static void name(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,  \
                                                   float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,  \
                                                   const uint8_t *ahead, const uint8_t *lv) {                      \
-        if (lv) COSTLY_CASES(fn##_CALL)                                                                           \
-        else PACKED_CASES(fn##_CALL0)                                                                             \
+        if (lv) COSTLY_CASES(ROWS_2_TO_4, fn##_CALL)                                                              \
+        else TYPE_CASES(ROWS_2_TO_4, fn##_CALL0)                                                                  \
     }
 /* _CALL0: without decoded levels, a NULL the compiler folds (a run-time test in the block loop
  * made the Q8_0 LM head's 16-row product 1.25x slower). */
@@ -575,15 +577,9 @@ PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512)
     __attribute__((target(isa), optimize("schedule-insns", "sched-pressure"))) static void name(                  \
             const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr, int64_t N,\
             int nr, int64_t type, const uint8_t *ahead, const uint8_t *lv) {                                      \
-        (void)mr, (void)lv;                                                                                       \
-        switch (type) {                                                                                           \
-            case QT_Q4_0: fn##_CALL0(1, QT_Q4_0); break; case QT_Q4_1: fn##_CALL0(1, QT_Q4_1); break;             \
-            case QT_Q5_0: fn##_CALL0(1, QT_Q5_0); break; case QT_Q5_1: fn##_CALL0(1, QT_Q5_1); break;             \
-            case QT_Q8_0: fn##_CALL0(1, QT_Q8_0); break; case QT_IQ4_NL: fn##_CALL0(1, QT_IQ4_NL); break;         \
-            case QT_Q2_K: fn##_CALL0(1, QT_Q2_K); break; case QT_Q3_K: fn##_CALL0(1, QT_Q3_K); break;             \
-            case QT_Q4_K: fn##_CALL0(1, QT_Q4_K); break; case QT_Q5_K: fn##_CALL0(1, QT_Q5_K); break;             \
-            case QT_IQ4_XS: fn##_CALL0(1, QT_IQ4_XS); break; default: fn##_CALL0(1, QT_Q6_K); break;              \
-        }                                                                                                         \
+        (void)mr;                                                                                                 \
+        if (lv) COSTLY_CASES(ONE_ROW, fn##_CALL)                                                                  \
+        else TYPE_CASES(ONE_ROW, fn##_CALL0)                                                                      \
     }
 PACKED_ONE_ROW(one_avx2, packed8_avx2_of, "avx2,fma,f16c")
 PACKED_ONE_ROW(one_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni")
@@ -740,19 +736,12 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
 }
 __attribute__((target(ISA_AMX_T))) static void amx_release(void) { _tile_release(); }
 #define amx_of_CALL(T) amx_of(g0, nrec, RB, x, y, m0, mr, N, nr, T, ahead)
+#define AMX_EACH(CALL, T) CALL(T)
 __attribute__((target(ISA_AMX_T))) static void packed_amx(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
                                                         float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,
                                                         const uint8_t *ahead, const uint8_t *lv) {
     (void)lv; /* a tile pass covers 16 rows: its levels are decoded once per 16 rows already */
-    switch (type) {
-        case QT_Q4_0: amx_of_CALL(QT_Q4_0); break; case QT_Q4_1: amx_of_CALL(QT_Q4_1); break;
-        case QT_Q5_0: amx_of_CALL(QT_Q5_0); break; case QT_Q5_1: amx_of_CALL(QT_Q5_1); break;
-        case QT_Q8_0: amx_of_CALL(QT_Q8_0); break; case QT_IQ4_NL: amx_of_CALL(QT_IQ4_NL); break;
-        case QT_Q2_K: amx_of_CALL(QT_Q2_K); break; case QT_Q3_K: amx_of_CALL(QT_Q3_K); break;
-        case QT_Q4_K: amx_of_CALL(QT_Q4_K); break; case QT_Q5_K: amx_of_CALL(QT_Q5_K); break;
-        case QT_IQ4_XS: amx_of_CALL(QT_IQ4_XS); break;
-        default: amx_of_CALL(QT_Q6_K); break;
-    }
+    TYPE_CASES(AMX_EACH, amx_of_CALL)
 }
 
 /* With several passes of rows, each thread walks its groups in chunks of about CHUNK_BYTES, every
@@ -833,7 +822,7 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                 if (amx && tile_rows != mr) amx_config(tile_rows = mr, gs_of(type) == 16);
                 for (int64_t g = c0; g < c1; g++) {
                     const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
-                    (amx ? packed_amx : mr == 1 && !use ? ONE[isa] : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
+                    (amx ? packed_amx : mr == 1 ? ONE[isa] : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
                                                    m0 == 0 && !use && g + 2 < gb ? w + (g + 2) * GB : NULL,
                                                    use && !amx ? lv + (g - c0) * LB : NULL);
                 }
