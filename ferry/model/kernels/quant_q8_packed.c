@@ -542,18 +542,22 @@ PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
         case QT_Q3_K: EACH(CALL, QT_Q3_K); break; case QT_Q5_K: EACH(CALL, QT_Q5_K); break;          \
         default: EACH(CALL, QT_Q6_K); break;                                                         \
     }
-/* Passes of 2-4 rows (one row has its own, below). */
+/* Passes of 1-4 rows, or of 2-4 where one row has its own pass (below). */
 #define ROWS_2_TO_4(CALL, T)                                                                         \
     switch (mr) {                                                                                    \
         case 2: CALL(2, T); break; case 3: CALL(3, T); break; default: CALL(4, T); break;            \
     }
+#define ROWS_1_TO_4(CALL, T)                                                                         \
+    switch (mr) {                                                                                    \
+        case 1: CALL(1, T); break; default: ROWS_2_TO_4(CALL, T); break;                             \
+    }
 #define ONE_ROW(CALL, T) CALL(1, T)
-#define PACKED_PASS(name, fn, isa)                                                                                \
+#define PACKED_PASS(name, fn, isa, ROWS)                                                                          \
     __attribute__((target(isa))) static void name(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,  \
                                                   float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,  \
                                                   const uint8_t *ahead, const uint8_t *lv) {                      \
-        if (lv) COSTLY_CASES(ROWS_2_TO_4, fn##_CALL)                                                              \
-        else TYPE_CASES(ROWS_2_TO_4, fn##_CALL0)                                                                  \
+        if (lv) COSTLY_CASES(ROWS, fn##_CALL)                                                                     \
+        else TYPE_CASES(ROWS, fn##_CALL0)                                                                         \
     }
 /* _CALL0: without decoded levels, a NULL the compiler folds (a run-time test in the block loop
  * made the Q8_0 LM head's 16-row product 1.25x slower). */
@@ -563,16 +567,17 @@ PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
 #define packed8_avxvnni_of_CALL0(MR, T) packed8_avxvnni_of(g0, nrec, RB, x, y, m0, MR, N, nr, T, ahead, NULL)
 #define packed16_of_CALL(MR, T) packed16_of(g0, nrec, RB, x, y, m0, MR, N, nr, T, ahead, lv)
 #define packed16_of_CALL0(MR, T) packed16_of(g0, nrec, RB, x, y, m0, MR, N, nr, T, ahead, NULL)
-PACKED_PASS(packed_avx2, packed8_avx2_of, "avx2,fma,f16c")
-PACKED_PASS(packed_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni")
-PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512)
+PACKED_PASS(packed_avx2, packed8_avx2_of, "avx2,fma,f16c", ROWS_1_TO_4)
+PACKED_PASS(packed_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni", ROWS_1_TO_4)
+PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512, ROWS_2_TO_4)
 
-/* One activation row's passes (a decode step of one request), scheduled before register allocation
- * with an eye on register pressure (gcc's first scheduling pass, off by default on x86): the
- * default order spilled AVX2's 16 registers to the stack in the level decoders. Zen 4, one row of
- * the embedded model, AVX2 / AVX-512: LM head (Q8_0) 1.2 / 1.6x faster, down 1.06 / 1.17x; 4096-wide
- * weights from L3, AVX2: Q2_K 1.19x, Q3_K 1.14x, Q4_K 1.05x, Q4_0 1.14x. Not for more rows: the Q8_0
- * LM head's 16-row passes ran 1.7x slower so compiled. */
+/* One activation row's 16-lane passes (a decode step of one request), scheduled before register
+ * allocation with an eye on register pressure (gcc's first scheduling pass, off by default on x86).
+ * Zen 4, one row: the embedded file's Q8_0 LM head 1.6x faster, down 1.17x; 4096-wide weights from
+ * L3: IQ4_XS 1.32x, Q6_K 1.19x, Q4_0 1.11x; from DRAM: Q4_1 / Q8_0 1.01-1.08x. Not for more rows (the
+ * Q8_0 LM head's 16-row passes ran 1.7x slower so compiled), nor for AVX2: there it stopped the
+ * spills of the level decoders (from L3: Q3_K 1.22x, Q2_K 1.15x) but streamed from DRAM slower
+ * (Q4_1 0.85-0.88x), and the embedded file's decode ran ~10% slower in the engine. */
 #define PACKED_ONE_ROW(name, fn, isa)                                                                             \
     __attribute__((target(isa), optimize("schedule-insns", "sched-pressure"))) static void name(                  \
             const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr, int64_t N,\
@@ -581,8 +586,6 @@ PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512)
         if (lv) COSTLY_CASES(ONE_ROW, fn##_CALL)                                                                  \
         else TYPE_CASES(ONE_ROW, fn##_CALL0)                                                                      \
     }
-PACKED_ONE_ROW(one_avx2, packed8_avx2_of, "avx2,fma,f16c")
-PACKED_ONE_ROW(one_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni")
 PACKED_ONE_ROW(one_avx512vnni, packed16_of, ISA_512)
 
 /* A group's level vectors, every 32-chunk of every record, decoded once into lv (chunk blk's 8
@@ -798,7 +801,7 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
     /* AVX-512BW without VNNI: the 8-lane maddubs pass (a 16-lane one is not measured to win). */
     static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni,
                                             packed_avx512vnni};
-    static const pass_fn ONE[ISA_COUNT] = {NULL, one_avx2, one_avx2, one_avxvnni, one_avx512vnni, one_avx512vnni};
+    static const pass_fn ONE[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, one_avx512vnni, one_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
     static const decode_fn DECODE[ISA_COUNT] = {NULL, decode_avx2, decode_avx2, decode_avx2, decode_avx512, NULL};
     const int64_t chunk = CHUNK_BYTES / GB > 1 ? CHUNK_BYTES / GB : 1, LB = nrec * chunks_of(type) * 512;
