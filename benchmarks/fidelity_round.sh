@@ -1,12 +1,12 @@
 #!/bin/bash
-# One fidelity round (docs/simulator.md): fit runs, evaluation runs on mixed-64, a fresh profile
+# One fidelity check (docs/scheduling.md, "Fidelity"): fit runs, evaluation runs on mixed-64, a fresh profile
 # fitted on the fit runs only, and the simulator's error on the evaluation runs. About 8 minutes.
 #   benchmarks/fidelity_round.sh OUT_DIR
 set -e
 D=${1:?usage: $0 OUT_DIR}
 mkdir -p "$D"
 F=".venv/bin/ferry"
-W=../shared/workloads/mixed-64.json
+W=benchmarks/workloads/mixed-64.json
 $F bench offline --num-prompts 64 --input-len 400 --output-len 150 --input-dist uniform --output-dist uniform \
     --range-ratio 0.9 --seed 11 --no-progress --output-json "$D/fit-offline.json" > "$D/fit-offline.log"
 $F bench online --num-prompts 48 --input-len 200 --output-len 80 --input-dist lognormal --sigma 0.8 \

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/gpu_published.py [--markdown]
 
-Each case names its source (see docs/simulator.md for the quotes) and the vLLM settings of the
+Each case names its source (see docs/scheduling.md for the quotes) and the vLLM settings of the
 measurement; the simulator runs the same workload with the same settings on the preset. The
 published figure is what the source printed; "simulated" is ferry's; error = sim / published - 1.
 """

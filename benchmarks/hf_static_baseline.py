@@ -1,10 +1,10 @@
-"""Baseline for README's figures: transformers' own static `generate` on a workload.
+"""Baseline for the performance figures (docs/performance.md): transformers' own static `generate` on a workload.
 
 Left-padded batches of B requests; each batch generates until its longest request
 is done (ignore_eos), which is how padded static batching spends its compute.
 Same dequantized fp32 weights as ferry (the cached Hugging Face directory).
 
-    .venv/bin/python benchmarks/hf_static_baseline.py --workload ../shared/workloads/mixed-64.json
+    .venv/bin/python benchmarks/hf_static_baseline.py --workload benchmarks/workloads/mixed-64.json
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ferry.bench.commands import add_bench_parsers
 from ferry.config import EngineConfig
-from ferry.server.serve import add_server_args, cmd_serve
+from ferry.extras import MissingExtraError, missing_extra
 from ferry.sim.commands import add_sim_parsers
 
 DEMO_QUESTIONS = [
@@ -28,12 +28,26 @@ DEMO_QUESTIONS = [
 ]
 
 
-def add_engine_args(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> None:
+# Help for the engine settings whose flag alone does not say what they take.
+ENGINE_HELP = {
+    "model": "a model directory, a .gguf file, or a Hugging Face name ORG/NAME (a safetensors repository) "
+             "or ORG/NAME:QUANT (that GGUF of a GGUF repository, e.g. :Q4_K_M; no tag: Q4_K_M, else Q8_0, "
+             "else the first). A name is read from the Hugging Face cache (HF_HOME, HF_HUB_CACHE) and "
+             "downloaded if it is not there, unless HF_HUB_OFFLINE=1; a local path of the same spelling "
+             "wins. Default: the embedded SmolLM2-135M-Instruct",
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser, lists: tuple[str, ...] = (),
+                    repeatable: dict[str, str] | None = None) -> None:
     """Every EngineConfig field as --kebab-case, with vLLM's names.
 
     Settings named in ``lists`` take comma-separated values (a sweep's grid), kept as text;
-    they default to None, so a command can tell which ones were given.
+    they default to None, so a command can tell which ones were given. Those in ``repeatable``
+    may be given several times (a list, None if never; the engine settings take the first), with
+    that help added.
     """
+    repeatable = repeatable or {}
     g = p.add_argument_group("engine settings" + (" (comma-separated lists allowed: "
                                                   + ", ".join(lists) + ")" if lists else ""))
     for f in dataclasses.fields(EngineConfig):
@@ -41,12 +55,16 @@ def add_engine_args(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> 
         default = f.default
         if f.name in lists:
             g.add_argument(flag, dest=f.name, default=None, metavar="V1,V2,...")
+        elif f.name in repeatable:
+            g.add_argument(flag, dest=f.name, default=None, action="append", metavar=f.name.upper(),
+                           help=f"{ENGINE_HELP.get(f.name, '')}. {repeatable[f.name]}")
         elif f.type in ("bool", bool) or isinstance(default, bool):
             g.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction)
         else:
             kind = _arg_type(f.type, default)
-            g.add_argument(flag, dest=f.name, default=default, type=kind, metavar=f.name.upper())
-    p.set_defaults(list_settings=lists)
+            g.add_argument(flag, dest=f.name, default=default, type=kind, metavar=f.name.upper(),
+                           help=ENGINE_HELP.get(f.name))
+    p.set_defaults(list_settings=lists, repeated_settings=tuple(repeatable))
 
 
 def _arg_type(annotation: Any, default: Any):
@@ -59,7 +77,13 @@ def _arg_type(annotation: Any, default: Any):
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+    repeated = getattr(args, "repeated_settings", ())
+
+    def value(name: str) -> Any:
+        v = getattr(args, name)
+        return (v[0] if v else None) if name in repeated else v
+
+    return {f.name: value(f.name) for f in dataclasses.fields(EngineConfig)
             if f.name not in getattr(args, "list_settings", ())}
 
 
@@ -165,19 +189,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     add_bench_parsers(sub, add_engine_args, with_engine_config)
     add_sim_parsers(sub, add_engine_args, with_engine_config)
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    add_server_args(p)
-    add_engine_args(p)
-    p.set_defaults(func=with_engine_config(cmd_serve))
+    add_serve_parser(sub)
     return parser
 
 
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """``ferry serve``; without the server's packages, a command that says which extra to install."""
+    help_text = "an OpenAI-compatible HTTP server"
+    try:
+        from ferry.server.serve import add_server_args, cmd_serve
+    except ImportError as e:
+        err = missing_extra(e, "ferry serve")
+        if err is None:
+            raise
+
+        def refuse(args: argparse.Namespace) -> int:
+            raise err
+
+        p = sub.add_parser("serve", help=f"{help_text} (not installed: pip install 'ferry[server]')",
+                           description=str(err))
+        p.set_defaults(func=refuse, takes_any_arguments=True)
+        return
+    p = sub.add_parser("serve", help=help_text)
+    add_server_args(p)
+    add_engine_args(p, repeatable={"model": "Repeat it to serve several models (--model A --model B), "
+                                            "each loaded on its first request, named as --models-dir names them"})
+    p.set_defaults(func=with_engine_config(cmd_serve))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"ferry: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        # An optional package a command imported on the way: say which extra installs it.
+        err = e if isinstance(e, MissingExtraError) else missing_extra(e)
+        if err is None:
+            raise
+        print(f"ferry: error: {err}", file=sys.stderr)
         return 2
 
 

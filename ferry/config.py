@@ -68,7 +68,9 @@ class EngineConfig:
     ``num_kv_blocks`` is None it is sized from ``kv_cache_memory_gb``.
     """
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    # A directory, a .gguf file, or a Hugging Face name ORG/NAME[:QUANT] (ferry.model.hub resolves
+    # it from the Hugging Face cache, or downloads it). None: the embedded SmolLM2-135M-Instruct.
+    model: str | None = None
     load_format: str = "auto"  # "auto" | "dummy"
     # "auto": float32 on the CPU, bfloat16 on CUDA (float16 where bfloat16 is not supported).
     dtype: str = "auto"

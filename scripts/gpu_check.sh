@@ -26,5 +26,5 @@ $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.versi
 $PY -m pytest -q -p no:cacheprovider tests/test_device.py -rs
 CONFIG_DIR=${CONFIG_DIR:-.gpu/smollm2-config}
 WORKLOAD=${WORKLOAD:-.gpu/mixed-64.json}
-[ -f "$WORKLOAD" ] || WORKLOAD=../shared/workloads/mixed-64.json
+[ -f "$WORKLOAD" ] || WORKLOAD=benchmarks/workloads/mixed-64.json
 exec $PY scripts/gpu_check.py --config-dir "$CONFIG_DIR" --workload "$WORKLOAD" --out "${OUT:-/tmp}/gpu_check.json"

@@ -1,4 +1,4 @@
-"""Workloads, the run loop, sweeps, plots and the seed report (fake executor on a manual clock),
+"""Workloads, the run loop, sweeps, plots and the batching report (fake executor on a manual clock),
 plus the bench commands on the embedded model."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from ferry.bench import plots
 from ferry.bench.runner import run_workload
-from ferry.bench.seed_experiments import QUICK, run_seed_experiments, seed_case_lengths
+from ferry.bench.batching_report import QUICK, run_batching_report, static_waste_lengths
 from ferry.bench.sweep import best_under_slo, grid_configs, parse_list, parse_slo, run_sweep, slo_field
 from ferry.bench.workload import (WorkloadRequest, load_workload, poisson_arrivals, sample_lengths, save_workload,
                                   synthetic_workload, with_request_rate)
@@ -57,8 +57,8 @@ def test_workload_file_round_trip_keeps_arrival_and_priority(tmp_path):
         load_workload(tmp_path / "bad.json")
 
 
-def test_seed_case_lengths():
-    lens = seed_case_lengths(32, 100, 2000)
+def test_static_waste_lengths():
+    lens = static_waste_lengths(32, 100, 2000)
     assert len(lens) == 32 and max(lens) == 2000 and sum(lens) == 3200 and min(lens) >= 1
 
 
@@ -161,23 +161,26 @@ def test_timeline_shows_preemption_and_every_request_finishes(small_runs):
     assert (grid[:, -1] != plots._CODE["waiting"]).all()
 
 
-def test_seed_report_has_every_section(tmp_path):
-    report = run_seed_experiments(EngineConfig(), tmp_path, quick=True, progress=False,
-                                  factory=FakeEngineFactory(), mixed_path=None)
+def test_batching_report_has_every_section(tmp_path):
+    report = run_batching_report(EngineConfig(), tmp_path, quick=True, progress=False,
+                                 factory=FakeEngineFactory(), mixed_path=None)
     text = report.read_text()
     for heading in ("## (a) Static vs continuous", "## (b) Long prefills", "## (c) The token budget",
                     "## (d) FCFS vs priority", "## (f) Policies ferry enforces: urgent",
                     "## (f) Policies ferry enforces: short prompts"):
         assert heading in text
-    lens = seed_case_lengths(QUICK.seed_n, QUICK.seed_mean, QUICK.seed_max)
-    assert f"= {1 - sum(lens) / (len(lens) * max(lens)):.1%}" in text
+    # The quick 8-request case: 8 lengths of mean 12 (96 tokens), the longest 60: 1 - 96 / (8 * 60) = 80%,
+    # and the fake engine's static batch wastes exactly that.
+    assert (QUICK.waste_n, QUICK.waste_mean, QUICK.waste_max) == (8, 12, 60)
+    assert "- 8-request case: the static batch wasted 80.0% of its generation slots " \
+           "(1 - sum(L) / (n * max L) = 80.0%;" in text
     images = [line[line.rindex("](") + 2:-1] for line in text.splitlines() if line.startswith("![")]
     assert len(images) == 10
     assert all(_png(tmp_path / name) for name in images)
     # (f) on its own: priority preemption gives urgent requests their first token sooner than the
     # priority policy alone, and the caps give short prompts theirs sooner than no caps.
-    report = run_seed_experiments(EngineConfig(), tmp_path / "f", quick=True, progress=False,
-                                  factory=FakeEngineFactory(), plots=False, only="f")
+    report = run_batching_report(EngineConfig(), tmp_path / "f", quick=True, progress=False,
+                                 factory=FakeEngineFactory(), plots=False, only="f")
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in report.read_text().splitlines()
             if line.startswith("| ") and line[2:3].isalpha()}
     assert float(rows["priority + preemption"][1]) < float(rows["priority"][1])
@@ -223,38 +226,68 @@ def test_bench_input_errors_are_messages():
     assert p.returncode == 2 and "SLO key 'foo'" in p.stderr
 
 
+# SmolLM2-135M's products: hidden 576, 3 KV heads of 64, MLP 1536, 49152 tokens.
+SMOLLM2_SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                  "lm_head": (49152, 576)}
+
+
 def test_bench_kernels_times_every_implementation_against_its_bound(llm):
     from ferry.bench.kernels import SHAPES, bench_kernels, format_kernels
 
     report = bench_kernels(llm.engine.executor.model, rows=[1, 3], reps=1)
-    assert report["bounds"]["dram_gb_s"] > 0 and report["bounds"]["fma_gflop_s"] > 0
+    b = report["bounds"]
+    # A 1 GiB sum and a 1024^3 product timed now: within what any machine this runs on can do.
+    assert 0.1 < b["dram_gb_s"] < 5000 and 1 < b["fma_gflop_s"] < 1e6
     assert [(r["shape"], r["m"]) for r in report["rows"]] == [(s, m) for s in SHAPES for m in (1, 3)]
     for r in report["rows"]:
+        n, k = SMOLLM2_SHAPES[r["shape"]]
+        assert (r["n"], r["k"]) == (n, k)
+        # Q4_1 weights take 20 bytes a block of 32, the lm_head's Q8_0 34; float32 4 bytes a weight.
+        quant_bytes = n * k // 32 * (34 if r["shape"] == "lm_head" else 20)
         for impl in ("ferry_quant", "ferry_f32", "torch_f32", "numpy_openblas_f32"):
-            assert r[impl]["ms"] > 0 and r[impl]["of_bound"] > 0
+            c = r[impl]
+            seconds = c["ms"] / 1e3
+            assert c["gflop_s"] * 1e9 * seconds == pytest.approx(2 * r["m"] * n * k), (r["shape"], impl)
+            weights = quant_bytes if impl == "ferry_quant" else n * k * 4
+            assert c["gb_s"] * 1e9 * seconds == pytest.approx(weights), (r["shape"], impl)
     assert report["rows"][0]["quant_type"] == "Q4_1" and report["rows"][-1]["quant_type"] == "Q8_0"
     assert "lm_head" in format_kernels(report)
 
 
-def test_bench_kernels_holds_q8_products_to_the_int8_peak(llm):
-    """The q8 products' bound is the int8 multiply-add peak of the variant in use (measured), not
-    the float32 FMA peak; the portable variant has no such instruction (0)."""
-    from ferry.bench.kernels import bench_kernels, int8_peak
+def test_bench_kernels_holds_q8_products_to_the_int8_peak(llm, monkeypatch):
+    """The q8 products' bound is the int8 multiply-add peak of the variant in use, not the float32
+    FMA peak; the float32 products' is the FMA peak. With fixed bounds and a fixed 2 ms a call (over
+    30 layers: 1/15 ms a product), the shares of the bound have known values."""
+    from ferry.bench import kernels
+
+    monkeypatch.setattr(kernels, "machine_bounds", lambda threads: {
+        "dram_gb_s": 100.0, "fma_gflop_s": 1000.0, "int8_gmac_s": 2000.0, "threads": threads})
+    monkeypatch.setattr(kernels, "_time", lambda fn, reps: 0.002)
+    rows = {r["shape"]: r for r in kernels.bench_kernels(llm.engine.executor.model, rows=[64], reps=1)["rows"]}
+    # qkv, q8: 64 x 960 x 576 multiply-adds at 2000 G/s = 17.69 us (its 345600 bytes at 100 GB/s take 3.5 us)
+    assert rows["qkv"]["ferry_quant"]["of_bound"] == pytest.approx(0.265421, rel=1e-5)
+    # ... float32: 2 x 64 x 960 x 576 FLOPs at 1000 GFLOP/s = 70.78 us, more than the 1/15 ms it took
+    assert rows["qkv"]["ferry_f32"]["of_bound"] == pytest.approx(1.061683, rel=1e-5)
+    # lm_head, q8, one product a call: 64 x 49152 x 576 at 2000 G/s = 905.97 us of 2 ms
+    assert rows["lm_head"]["ferry_quant"]["of_bound"] == pytest.approx(0.452985, rel=1e-5)
+    # A variant without an int8 instruction (peak 0): the q8 products fall back to the FMA bound.
+    monkeypatch.setattr(kernels, "machine_bounds", lambda threads: {
+        "dram_gb_s": 100.0, "fma_gflop_s": 1000.0, "int8_gmac_s": 0.0, "threads": threads})
+    rows = {r["shape"]: r for r in kernels.bench_kernels(llm.engine.executor.model, rows=[64], reps=1)["rows"]}
+    assert rows["qkv"]["ferry_quant"]["of_bound"] == pytest.approx(1.061683, rel=1e-5)
+
+
+def test_the_int8_peak_is_measured_on_the_variant_in_use():
+    """The portable variant has no int8 multiply-add instruction (0); each vector variant multiplies
+    at least 16 int8 pairs per instruction, a billion a second."""
+    from ferry.bench.kernels import int8_peak
     from ferry.model.kernels import load_kernels
 
     so = load_kernels()
     if so is None or so.quant_q8_isa(-2) == 0:
         pytest.skip("no vector q8 variant here")
     assert so.int8_peak(0, 1000) == 0.0
-    peak = int8_peak()
-    # Each vector variant multiplies at least 16 int8 pairs per instruction, a billion a second.
-    assert peak > 16
-    report = bench_kernels(llm.engine.executor.model, rows=[64], reps=1)
-    b = report["bounds"]
-    for r in report["rows"]:
-        q, t = r["ferry_quant"], r["ferry_quant"]["ms"] / 1e3
-        bound = max(q["gb_s"] * t / b["dram_gb_s"], r["m"] * r["n"] * r["k"] / (b["int8_gmac_s"] * 1e9))
-        assert q["of_bound"] == pytest.approx(bound / t, rel=1e-6), r["shape"]
+    assert 16 < int8_peak() < 1e6
 
 
 def test_bench_accuracy_compares_next_token_predictions(llm, parity_prompts):

@@ -236,14 +236,19 @@ def read_dom(driver) -> dict:
             "replica": {k: number(v) for k, v in dom["replica"].items()}}
 
 
-def wait_for(driver, check, timeout: float, what: str) -> dict:
+def wait_until(read, check, timeout: float, what: str, every: float = 0.2):
+    """``read()`` again every ``every`` seconds until ``check`` passes it; fails after ``timeout``."""
     deadline = time.time() + timeout
     while True:
-        dom = read_dom(driver)
+        dom = read()
         if check(dom):
             return dom
         assert time.time() < deadline, f"the page never showed {what}: {dom}"
-        time.sleep(0.2)
+        time.sleep(every)
+
+
+def wait_for(driver, check, timeout: float, what: str) -> dict:
+    return wait_until(lambda: read_dom(driver), check, timeout, what)
 
 
 def send_load(url: str, errors: list[BaseException]) -> list[threading.Thread]:
@@ -280,7 +285,7 @@ def test_page_follows_the_scheduler_under_load(srv, browser):
     while any(t.is_alive() for t in threads):
         dom = read_dom(browser)
         samples.append((dom, state(srv)["replicas"][0]))
-        # For the README: the second wave running, the first one's latencies in.
+        # For the docs: the second wave running, the first one's latencies in.
         if shot and dom["running"] == 4 and dom["finished-total"] - base["finished-total"] >= 4 \
                 and dom["steps"] - base["steps"] >= 60:
             browser.save_screenshot(shot)

@@ -8,7 +8,7 @@ import pytest
 from ferry import LLM, SamplingParams
 from ferry.bench.runner import EngineFactory
 from ferry.config import EngineConfig
-from tests.test_model_shapes import tiny
+from tests.test_architectures import generate_config
 from tests.test_scheduler import make_engine, run_all
 
 
@@ -38,7 +38,7 @@ def test_every_eos_id_stops_a_request():
 
 
 def test_generation_config_eos_ids_are_honoured(tmp_path):
-    cfg = tiny("llama-untied").to_dict()
+    cfg = generate_config("llama-untied").to_dict()
     cfg["eos_token_id"] = 2
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 9]}))
@@ -56,7 +56,7 @@ def test_step_stats_stay_bounded_in_a_long_lived_engine():
 
 
 def test_engine_factory_loads_the_model_once_for_configs_left_to_the_model_length(tmp_path):
-    cfg = tiny("llama-untied").to_dict()
+    cfg = generate_config("llama-untied").to_dict()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     base = EngineConfig(model=str(tmp_path), load_format="dummy")
     factory = EngineFactory()
@@ -70,14 +70,14 @@ def test_engine_factory_loads_the_model_once_for_configs_left_to_the_model_lengt
 
 
 def test_a_sliding_window_model_serves_its_whole_length_with_the_window_on_every_layer(tmp_path):
-    cfg = tiny("mistral").to_dict()
+    cfg = generate_config("mistral").to_dict()
     cfg.update(sliding_window=64, max_position_embeddings=256, architectures=["MistralForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(tmp_path), load_format="dummy")
     assert llm.config.max_model_len == 256  # the window is attention's, not a limit on the length
     assert llm.engine.executor.model_config.layer_windows == (64, 64)
     # Qwen2 carries a window it does not use unless use_sliding_window is set.
-    qwen = tiny("qwen2-bias").to_dict()
+    qwen = generate_config("qwen2-bias").to_dict()
     qwen.update(sliding_window=64, use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(qwen))
     llm = LLM(model=str(tmp_path), load_format="dummy")

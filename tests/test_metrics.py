@@ -54,7 +54,8 @@ def test_latencies_from_a_hand_built_timeline():
 
 def test_tpot_is_e2e_minus_ttft_over_tokens_minus_one():
     m = out("a", 0.0, 0.0, [0.4, 0.7, 1.3, 1.6, 2.2]).metrics
-    assert m.tpot == pytest.approx((m.e2e - m.ttft) / 4)
+    assert (m.ttft, m.e2e) == (0.4, 2.2)
+    assert m.tpot == pytest.approx(0.45)  # (2.2 - 0.4) / 4
     assert out("b", 0, 0, [0.3]).metrics.tpot is None
 
 
@@ -79,13 +80,14 @@ def test_preemptions_and_recompute_count_against_slot_utilisation():
     assert m.num_steps == 3
 
 
-def test_seed_static_waste_formula():
-    """n requests held for max(L) generation slots each waste 1 - sum(L) / (n * max L)."""
+def test_static_waste_of_one_long_request_among_short_ones():
+    """n requests held for max(L) generation slots each waste 1 - sum(L) / (n * max L): here one of
+    2000 tokens and 31 of 40 use 3240 of 64000 slots, and 60760 slot-steps sit idle."""
     lens = [2000] + [40] * 31
     outs = [out(str(i), 0, 0, [float(k) for k in range(n)]) for i, n in enumerate(lens)]
-    padding = sum(max(lens) - n for n in lens)
-    m = summarize(outs, 1.0, [step(0.0, decode=sum(lens), padding=padding)])
-    assert 1 - m.generation_slot_utilization == pytest.approx(1 - sum(lens) / (32 * 2000))
+    m = summarize(outs, 1.0, [step(0.0, decode=3240, padding=60760)])
+    assert m.total_output_tokens == 3240
+    assert m.generation_slot_utilization == pytest.approx(0.050625)
 
 
 def test_percentile_and_empty_figures():

@@ -1,4 +1,4 @@
-"""Prompt logprobs (issue 26 item 3): scored a block of rows at a time, never a log-softmax of
+"""Prompt logprobs: scored a block of rows at a time, never a log-softmax of
 the whole chunk; the same numbers as the plain log-softmax."""
 from __future__ import annotations
 

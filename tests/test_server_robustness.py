@@ -92,7 +92,8 @@ def test_a_request_that_can_never_be_queued_is_a_400_not_a_503(guarded):
 
 
 def test_every_error_has_the_openai_body(guarded):
-    assert_error(httpx.get(guarded + "/no/such/route"), 404)
+    assert_error(httpx.get(guarded + "/no/such/route", headers=AUTH), 404)
+    assert_error(httpx.get(guarded + "/no/such/route"), 401)  # the key guards every route, known or not
     assert_error(httpx.delete(guarded + "/health"), 405)
     assert_error(post(guarded, "/v1/completions", "{not json"), 400, None, "malformed JSON")
     assert_error(post(guarded, "/v1/completions", "[1, 2]"), 400)
@@ -103,7 +104,7 @@ def test_every_error_has_the_openai_body(guarded):
 def test_models_health_auth_docs_and_cors(guarded):
     assert httpx.head(guarded + "/health").status_code == 200
     card = httpx.get(guarded + f"/v1/models/{MODEL}", headers=AUTH).json()
-    assert card["id"] == MODEL and card["max_model_len"] > 0
+    assert card["id"] == MODEL and card["max_model_len"] == 8192  # SmolLM2's max_position_embeddings
     for scheme in ("Bearer", "bearer", "BEARER"):
         assert httpx.get(guarded + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
     assert_error(httpx.get(guarded + "/v1/models", headers={"Authorization": f"Bearer {KEY}x"}), 401)

@@ -1,4 +1,4 @@
-"""The simulator: cost model maths, calibration, determinism, and the seed's static-waste example."""
+"""The simulator: cost model maths, calibration, determinism, and the 32-request static-waste example."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferry.bench.runner import run_workload
-from ferry.bench.seed_experiments import seed_case_lengths
+from ferry.bench.batching_report import static_waste_lengths
 from ferry.bench.workload import WorkloadRequest, synthetic_workload, with_request_rate
 from ferry.config import EngineConfig
 from ferry.model.config import ModelConfig
@@ -88,8 +88,12 @@ def test_kv_cache_is_sized_from_memory_minus_weights():
     assert f.num_kv_blocks(EngineConfig()) == int((80e9 * 0.9 - weights) // per_block)
     with pytest.raises(ValueError, match="leave no room for a KV cache"):
         SimEngineFactory(load_model_config("llama-3.1-70b"), load_hardware("l4")).num_kv_blocks(EngineConfig())
-    assert SimEngineFactory(load_model_config("llama-3.1-70b"), load_hardware("h100-sxm"), tp=4) \
-        .num_kv_blocks(EngineConfig()) > 0
+    # 70B over 4 GPUs: 70.55 B parameters in bf16, 80 layers x 8 KV heads x 128 x 2 bytes, K and V, 16 a block.
+    f70 = SimEngineFactory(load_model_config("llama-3.1-70b"), load_hardware("h100-sxm"), tp=4)
+    assert f70.cost.weight_bytes_total == pytest.approx(141.1e9, rel=0.01)
+    per_block = 2 * 80 * 8 * 128 * 2 * 16
+    assert f70.num_kv_blocks(EngineConfig()) == int((4 * 80e9 * 0.9 - f70.cost.weight_bytes_total) // per_block)
+    assert 27_500 < f70.num_kv_blocks(EngineConfig()) < 28_500
 
 
 def test_simulation_is_deterministic_and_preempts_when_memory_is_short():
@@ -102,16 +106,16 @@ def test_simulation_is_deterministic_and_preempts_when_memory_is_short():
     assert a["completed"] == 300 and a["num_preemptions"] > 0
 
 
-def test_seed_example_static_waste_matches_the_formula_and_continuous_wastes_nothing():
-    lens = seed_case_lengths(32, 100, 2000)
+def test_static_waste_example_wastes_95_percent_and_continuous_wastes_nothing():
+    lens = static_waste_lengths(32, 100, 2000)
     rng = random.Random(0)
     reqs = [WorkloadRequest([rng.randrange(100, 1000) for _ in range(16)], n) for n in lens]
     f = SimEngineFactory(load_model_config("llama-3.1-8b"), load_hardware("h100-sxm"))
     static = run_workload(f.engine(EngineConfig(scheduler="static", max_num_seqs=32)), reqs, progress=False).metrics
     cont = run_workload(f.engine(EngineConfig()), reqs, progress=False).metrics
-    expected = 1 - sum(lens) / (32 * max(lens))
-    assert expected == pytest.approx(0.95)
-    assert 1 - static.generation_slot_utilization == pytest.approx(expected)
+    # 32 requests of mean 100 (3200 tokens) held for 2000 steps each: 1 - 3200 / 64000 = 95% of the slots idle.
+    assert (len(lens), sum(lens), max(lens)) == (32, 3200, 2000)
+    assert 1 - static.generation_slot_utilization == pytest.approx(0.95)
     assert 1 - cont.generation_slot_utilization == 0.0
     assert cont.duration < static.duration
 
@@ -153,10 +157,12 @@ def test_pareto_frontier():
 
 
 def test_presets_and_errors():
-    for name in ("llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "smollm2-135m"):
-        assert load_model_config(name).num_layers > 0
-    for name in ("a100-80gb", "h100-sxm", "h200", "l4"):
-        assert load_hardware(name).bandwidth > 0
+    # The published layer counts, and the datasheets' HBM bandwidths at the default 80% efficiency.
+    layers = {"llama-3.1-8b": 32, "llama-3.1-70b": 80, "qwen2.5-7b": 28, "smollm2-135m": 30}
+    assert {name: load_model_config(name).num_layers for name in layers} == layers
+    gbs = {"a100-80gb": 2039, "h100-sxm": 3350, "h200": 4800, "l4": 300}
+    for name, datasheet in gbs.items():
+        assert load_hardware(name).bandwidth == pytest.approx(0.8 * datasheet * 1e9), name
     with pytest.raises(ValueError, match="unknown model 'gpt-9'"):
         load_model_config("gpt-9")
     with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
@@ -200,12 +206,13 @@ def test_tune_picks_the_best_configuration_within_the_slo(tmp_path):
     assert (tmp_path / "tune.png").stat().st_size > 1000
 
 
-def test_simulate_seed_report(tmp_path):
-    p = ferry("simulate", "seed", "--quick", "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
+def test_simulate_batching_report(tmp_path):
+    p = ferry("simulate", "batching-report", "--quick", "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
               "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "report.md").read_text()
-    assert "simulated" in text and "## (d) FCFS vs priority" in text
+    assert text.startswith("# ferry simulate: the batching experiments, llama-3.1-8b on 1 x h100-sxm (simulated)")
+    assert "## (d) FCFS vs priority" in text
 
 
 def test_measure_steps_times_real_steps_on_the_model_executor(llm):

@@ -1,4 +1,5 @@
-"""``ferry bench offline | online | sweep | kernels | accuracy | seed``: the command-line side of the benchmarks."""
+"""``ferry bench offline | online | serve | sweep | kernels | accuracy | batching-report``: the command-line side
+of the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from ferry.bench.seed_experiments import DEFAULT_MIXED
+from ferry.bench.batching_report import DEFAULT_MIXED
 from ferry.bench.workload import LENGTH_DISTRIBUTIONS, WorkloadRequest, load_workload, synthetic_workload
 from ferry.config import EngineConfig
 
@@ -198,11 +199,11 @@ def cmd_bench_accuracy(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-def cmd_bench_seed(args: argparse.Namespace, config: EngineConfig) -> int:
-    from ferry.bench.seed_experiments import run_seed_experiments
+def cmd_bench_batching_report(args: argparse.Namespace, config: EngineConfig) -> int:
+    from ferry.bench.batching_report import run_batching_report
 
-    report = run_seed_experiments(config, args.out, quick=args.quick, progress=not args.no_progress,
-                                  mixed_path=args.mixed_workload, plots=not args.no_plots, only=args.only)
+    report = run_batching_report(config, args.out, quick=args.quick, progress=not args.no_progress,
+                                 mixed_path=args.mixed_workload, plots=not args.no_plots, only=args.only)
     print(f"wrote {report}")
     return 0
 
@@ -212,7 +213,7 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     """Register ``ferry bench ...``; ``run(handler)`` wraps a handler with the engine config."""
     from ferry.bench.sweep import SWEEPABLE
 
-    bench = sub.add_parser("bench", help="benchmarks, sweeps, plots and the seed's experiments")
+    bench = sub.add_parser("bench", help="benchmarks, sweeps, plots and the batching report")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     for name, text in (("offline", "every request submitted at once (ignore_eos)"),
                        ("online", "requests arrive over time (Poisson --request-rate, or the workload's "
@@ -269,7 +270,8 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
     p.add_argument("--output-json")
     add_engine_args(p)
     p.set_defaults(func=run(cmd_bench_accuracy))
-    p = bsub.add_parser("seed", help="the seed's experiments (a)-(d) and the policies (f) on this engine: DIR/report.md and plots")
+    p = bsub.add_parser("batching-report", help="the batching experiments (a)-(d) and the policies (f) on this engine: "
+                                                 "DIR/report.md and plots")
     p.add_argument("--out", required=True, help="directory for report.md and the plots")
     p.add_argument("--quick", action="store_true", help="small versions of every experiment (a minute)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
@@ -278,7 +280,7 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
                    help="the mixed-lengths workload of experiment (a) (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     add_engine_args(p)
-    p.set_defaults(func=run(cmd_bench_seed))
+    p.set_defaults(func=run(cmd_bench_batching_report))
 
 
 def parse_rate_arg(text: str) -> float:

@@ -25,8 +25,10 @@ DPI = 80
 
 
 def _plt():
-    import matplotlib
+    """matplotlib's pyplot, drawing to files; without matplotlib, an error naming the 'bench' extra."""
+    from ferry.extras import require
 
+    matplotlib = require("matplotlib", "plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -64,8 +66,8 @@ def timeline_grid(run: BenchRun) -> np.ndarray:
 
 
 def plot_timeline(run: BenchRun, path: str | Path) -> list[str]:
-    """One row per request, one column per step, coloured by state: the seed's pictures of
-    static and continuous batching, drawn from a real run."""
+    """One row per request, one column per step, coloured by state: the familiar pictures of
+    static and continuous batching (vLLM's blog, Orca), drawn from a real run."""
     plt = _plt()
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch

@@ -1,4 +1,4 @@
-"""Sweeps over engine settings and request rates, and the seed's tuning rule: among the
+"""Sweeps over engine settings and request rates, and the tuning rule: among the
 configurations that meet the latency SLO, take the one with the highest throughput."""
 from __future__ import annotations
 

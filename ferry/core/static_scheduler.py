@@ -5,7 +5,8 @@ are prefilled together in one step and their KV blocks are reserved for the
 worst case (prompt + max_tokens), as a padded static batch holds its memory.
 A request that finishes early keeps its slot: every later step recomputes its
 last token (real work, result discarded) until the whole batch is done. Those
-slot-steps are the waste the seed talks about, counted as padding tokens.
+slot-steps are static batching's waste (what Orca's iteration-level scheduling
+removes), counted as padding tokens.
 It never reuses cached prefixes nor speculates: it is the baseline without them.
 """
 from __future__ import annotations

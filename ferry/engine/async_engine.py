@@ -240,7 +240,7 @@ class AsyncEngine:
         return await asyncio.to_thread(self._submit, subs)
 
     async def _grammars_compiled(self, subs: list[SubRequest]) -> None:
-        """Wait for the grammars of these requests to compile, on the compiler's own thread: no
+        """Wait for the grammars of these requests to compile, on the compiler's own threads: no
         worker thread is held meanwhile, so requests without one are never queued behind it."""
         grammars = getattr(self.engine.executor, "grammars", None)
         if grammars is None:
@@ -248,9 +248,8 @@ class AsyncEngine:
         from ferry.executor.structured import await_compiled
 
         specs = {id(s.params.structured_outputs): s.params.structured_outputs for s in subs}
-        for spec in specs.values():
-            if spec is not None:
-                await await_compiled(grammars, spec)
+        # All at once: distinct specs compile side by side, and no wait adds up past the bound.
+        await asyncio.gather(*(await_compiled(grammars, spec) for spec in specs.values() if spec is not None))
 
     def _submit(self, subs: list[SubRequest]) -> Stream:
         if self.draining:

@@ -71,7 +71,8 @@ class RunMetrics:
 
     @property
     def generation_slot_utilization(self) -> float | None:
-        """Output tokens / (output tokens + idle slot-steps): the seed's view of a static batch.
+        """Output tokens / (output tokens + idle slot-steps): how the batching literature
+        measures a static batch's waste.
 
         A static batch of n requests held for max(L) steps wastes 1 - sum(L) / (n * max(L)).
         """

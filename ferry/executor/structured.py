@@ -14,12 +14,15 @@ a schema against ~2.5 ms, paid once per distinct spec thanks to the cache.
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import threading
-from collections import OrderedDict
-import queue
+import time
+from collections import OrderedDict, deque
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -39,7 +42,82 @@ GRAMMAR_CACHE_SIZE = 32
 DEFAULT_MAX_COMPILE_SECONDS = 10.0
 # Specs that went over the bound, remembered so that sending one again is refused at once.
 SLOW_SPECS_KEPT = 256
+# Compiles running at once, each on a thread of its own: xgrammar cannot interrupt a compile, so a
+# request behind slow ones on a shared thread would wait for theirs. Past this, specs queue.
+MAX_CONCURRENT_COMPILES = 16
+# A compile still running after this long drops to the lowest CPU priority for the rest of its run:
+# a JSON schema takes ~1-100 ms and goes ahead of it, and so does the step loop.
+DEMOTE_AFTER_SECONDS = 0.25
+LOWEST_NICE = 19
 _NEG_INF = np.float32(-np.inf)
+
+
+@dataclass
+class DerivedOutputs(StructuredOutputs):
+    """A constraint the server derived from other fields of the request (a forced tool call's
+    grammar, from ``tools`` and ``tool_choice``): its errors start with ``source``, what the
+    client sent, instead of ``structured_outputs``, which it did not."""
+
+    source: str = "structured_outputs"
+
+
+class _Refused(ValueError):
+    """A compile's own error, without the field: each waiter names the field it sent."""
+
+
+def _field(spec: StructuredOutputs, kind: str) -> str:
+    """The request field an error about ``spec`` names."""
+    return spec.source if isinstance(spec, DerivedOutputs) else f"structured_outputs.{kind}"
+
+
+def _demote(tid: int) -> None:
+    """Move thread ``tid`` to the lowest CPU priority (Linux keeps a nice value per thread; raising
+    it needs no privilege). Elsewhere a nice value is per process: nothing is done there."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, LOWEST_NICE)
+        except OSError:  # a sandbox that forbids it: the compile runs on at its priority
+            pass
+
+
+class _Job:
+    """One spec's compile: queued, then running on its own thread (``tid``) from ``started``."""
+
+    __slots__ = ("future", "kind", "text", "tid", "started", "demoted")
+
+    def __init__(self, future: Future, kind: str, text: str) -> None:
+        self.future, self.kind, self.text = future, kind, text
+        self.tid: int | None = None
+        self.started = 0.0
+        self.demoted = False
+
+
+_SUBSCHEMA = ("additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems", "items")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+def rebase_refs(schema: Any, at: str) -> Any:
+    """A copy of ``schema`` for embedding at the JSON pointer ``at`` of another schema: its local
+    references (``#``, ``#/$defs/X``, any ``#/...``) point to the same places inside the copy, so
+    they resolve against the schema they were written for, not the one around it. Only schema
+    keywords are followed: a ``const``, ``enum`` or ``default`` value is data and left as it is."""
+    if not isinstance(schema, dict):
+        return schema  # true, false, or not a schema at all
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = "#" + at + v[1:]
+        elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: rebase_refs(sub, at) for name, sub in v.items()}
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            out[k] = [rebase_refs(sub, at) for sub in v]
+        elif k in _SUBSCHEMA:
+            out[k] = rebase_refs(v, at)
+        else:
+            out[k] = v
+    return out
 
 
 def _clean(e: Exception) -> str:
@@ -119,13 +197,16 @@ class RequestGrammar:
 class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer; the one place xgrammar is set up.
 
-    Compiles run on one worker thread of their own (xgrammar releases the GIL), never on the step
-    loop nor the server's thread pool, so a slow grammar costs at most that one thread: requests
-    without a grammar are not held up, and a request waits only for its own grammar. A spec that
-    is compiling already is not compiled again: its requests share the one compile. One that takes
-    over ``max_compile_seconds`` is refused (ValueError naming the field), and so is the same spec
-    sent again. Nothing is built until the first spec arrives, so an engine that never sees one
-    pays nothing at start-up. Safe to call from any thread.
+    Compiles never run on the step loop nor the server's thread pool: each distinct spec compiles
+    on a thread of its own as soon as it arrives (xgrammar releases the GIL), so a request waits
+    only for its own grammar. A compile cannot be interrupted, so the rule for slow ones is: one
+    thread per distinct spec (requests for a spec compiling already share its compile), at most
+    ``MAX_CONCURRENT_COMPILES`` at once (past that, specs queue in order of arrival), and a compile
+    still running after ``DEMOTE_AFTER_SECONDS`` drops to the lowest CPU priority, so that quick
+    compiles and the step loop go ahead of it and slow ones share the CPU left over. A request
+    waits at most ``max_compile_seconds`` for its grammar and is then refused (ValueError naming
+    the field), and so is the same spec sent again. Nothing is built until the first spec
+    arrives, so an engine that never sees one pays nothing at start-up. Safe to call from any thread.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
@@ -138,14 +219,19 @@ class GrammarCompiler:
         self.max_compile_seconds = max_compile_seconds
         self._compiler: "xgr.GrammarCompiler | None" = None
         self._tokenizer_info: "xgr.TokenizerInfo | None" = None
+        self._build_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], "xgr.CompiledGrammar"] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}  # compiling now (or queued)
         self._slow: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._jobs: "queue.SimpleQueue[tuple[Future, str, str]] | None" = None
+        self._queue: deque[_Job] = deque()
+        self._running: set[_Job] = set()
+        self._launcher: threading.Thread | None = None
+        self._closed = False
         # request id -> its compiled grammar, from its check to its end: the step loop never
         # compiles a grammar the cache let go of while the request waited.
         self._held: dict[str, "xgr.CompiledGrammar"] = {}
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the launcher's: a job queued, started or done
         self.num_compiles = 0  # compiles started (cache misses that were not already compiling)
 
     def _build(self) -> "xgr.GrammarCompiler":
@@ -167,15 +253,30 @@ class GrammarCompiler:
                                  stop_token_ids=list(self.stop_token_ids),
                                  add_prefix_space=meta["add_prefix_space"])
         self._tokenizer_info = info
-        # xgrammar's own cache has no size limit by default: ours (an LRU) replaces it. One thread:
-        # compiles take at most one core from the steps.
+        # xgrammar's own cache has no size limit by default: ours (an LRU) replaces it. One thread
+        # per compile: concurrent compiles are ours, each on its own thread.
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
+    def _built(self) -> "xgr.GrammarCompiler":
+        """The xgrammar compiler, built by the first thread that needs it."""
+        with self._build_lock:
+            if self._compiler is None:
+                self._compiler = self._build()
+            return self._compiler
+
+    @property
+    def ready(self) -> bool:
+        """The tokenizer's tables are built: a compile starts at once."""
+        return self._compiler is not None
+
+    def prepare(self) -> None:
+        """Build the tokenizer's tables now, once (~0.3-3 s), or wait for the thread building them:
+        the bound on a wait covers the spec's own compile, not this."""
+        self._built()
+
     def _compile_now(self, kind: str, text: str) -> "xgr.CompiledGrammar":
-        """On the compile thread: compile one spec and cache it."""
-        if self._compiler is None:
-            self._compiler = self._build()
-        c = self._compiler
+        """On a compile thread: compile one spec and cache it."""
+        c = self._built()
         try:
             if kind in ("json", "json_object"):
                 # No free whitespace: a sampled run of spaces or newlines could then never end.
@@ -190,28 +291,34 @@ class GrammarCompiler:
         except (RuntimeError, ValueError) as e:
             what = {"json": "invalid JSON schema", "regex": "invalid regular expression",
                     "grammar": "invalid EBNF grammar", "structural_tag": "invalid structural tag"}.get(kind, "cannot compile")
-            raise ValueError(f"structured_outputs.{kind}: {what}: {_clean(e)}") from None
+            raise _Refused(f"{what}: {_clean(e)}") from None
         with self._lock:
             self._cache[(kind, text)] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _too_slow(self, kind: str) -> ValueError:
-        return ValueError(f"structured_outputs.{kind}: the grammar did not compile within "
+    def _too_slow(self, spec: StructuredOutputs) -> ValueError:
+        return ValueError(f"{_field(spec, _key(spec)[0])}: the grammar did not compile within "
                           f"{self.max_compile_seconds:g} s (--max-grammar-compile-seconds); "
                           f"send a simpler one")
 
+    def refused(self, spec: StructuredOutputs, e: ValueError) -> ValueError:
+        """The error for ``spec`` of a compile that failed: it names the field the request sent."""
+        return ValueError(f"{_field(spec, _key(spec)[0])}: {e}") if isinstance(e, _Refused) else e
+
     def compile_future(self, spec: StructuredOutputs) -> Future:
         """A future of the compiled grammar of ``spec``: done at once from the cache, else the
-        one compile of that spec (started now, or already under way for another request).
+        one compile of that spec (started now, or already under way for another request). Its
+        error, if any, is the compile's own: :meth:`refused` names the field.
 
         Raises ValueError at once for a spec that went over the time bound before."""
         key = _key(spec)
+        field = spec.source if isinstance(spec, DerivedOutputs) else "structured_outputs"
         if self.tokenizer is None:
-            raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+            raise ValueError(f"{field} needs the model's tokenizer, and this model has none")
         if not self.stop_token_ids:
-            raise ValueError("structured_outputs needs an end-of-sequence token, and this model has none")
+            raise ValueError(f"{field} needs an end-of-sequence token, and this model has none")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -220,30 +327,68 @@ class GrammarCompiler:
                 done.set_result(hit)
                 return done
             if key in self._slow:
-                raise self._too_slow(key[0])
+                raise self._too_slow(spec)
             f = self._pending.get(key)
             if f is None:
-                if self._jobs is None:
-                    self._jobs = queue.SimpleQueue()
-                    # A daemon: a pathological compile under way never holds up the process' exit.
-                    threading.Thread(target=self._work, args=(self._jobs,), name="ferry-grammar",
-                                     daemon=True).start()
                 f = self._pending[key] = Future()
-                self._jobs.put((f, *key))
+                self._queue.append(_Job(f, *key))
+                if self._launcher is None:
+                    # A daemon: a pathological compile under way never holds up the process' exit.
+                    self._launcher = threading.Thread(target=self._launch, name="ferry-grammar-launcher",
+                                                      daemon=True)
+                    self._launcher.start()
+                self._wake.notify()
                 self.num_compiles += 1
                 f.add_done_callback(lambda done, key=key: self._settled(key, done))
         return f
 
-    def _work(self, jobs: "queue.SimpleQueue[tuple[Future, str, str] | None]") -> None:
-        """The compile thread: one spec at a time, in the order they came."""
-        while (job := jobs.get()) is not None:
-            f, kind, text = job
-            if not f.set_running_or_notify_cancel():
-                continue  # dropped while queued (its waiters ran out of time)
-            try:
-                f.set_result(self._compile_now(kind, text))
-            except BaseException as e:  # handed to the waiters
-                f.set_exception(e)
+    def _launch(self) -> None:
+        """The launcher thread: starts each queued compile on a thread of its own while fewer than
+        MAX_CONCURRENT_COMPILES run, and demotes the ones that run long. Compile threads are born
+        here, at the server's priority: a thread takes its creator's nice value, and a demoted
+        thread may not raise its own back."""
+        with self._wake:
+            while not self._closed:
+                while self._queue and len(self._running) < MAX_CONCURRENT_COMPILES:
+                    job = self._queue.popleft()
+                    # False: dropped while queued (its waiters ran out of time); no callback runs here.
+                    if job.future.set_running_or_notify_cancel():
+                        self._running.add(job)
+                        threading.Thread(target=self._run, args=(job,), name="ferry-grammar", daemon=True).start()
+                self._wake.wait(self._demote_due())
+
+    def _demote_due(self) -> float | None:
+        """Under the lock: demote the compiles that have run DEMOTE_AFTER_SECONDS; the seconds
+        until the next one is due (None: none is running undemoted)."""
+        now, due = time.monotonic(), None
+        for job in self._running:
+            if job.tid is None or job.demoted:
+                continue
+            left = job.started + DEMOTE_AFTER_SECONDS - now
+            if left <= 0:
+                job.demoted = True
+                _demote(job.tid)  # still in its compile: it leaves _running (under the lock) first
+            else:
+                due = left if due is None else min(due, left)
+        return due
+
+    def _run(self, job: _Job) -> None:
+        """A compile thread: one spec, then the thread ends (a demoted thread is never reused)."""
+        try:
+            self._built()  # the tokenizer's tables, once: not counted as this spec's compile time
+            with self._wake:
+                job.tid, job.started = threading.get_native_id(), time.monotonic()
+                self._wake.notify()
+            result: Any = self._compile_now(job.kind, job.text)
+        except BaseException as e:  # handed to the waiters
+            result = e
+        with self._wake:
+            self._running.discard(job)
+            self._wake.notify()
+        if isinstance(result, BaseException):
+            job.future.set_exception(result)
+        else:
+            job.future.set_result(result)
 
     def _settled(self, key: tuple[str, str], f: Future) -> None:
         with self._lock:
@@ -253,14 +398,14 @@ class GrammarCompiler:
     def timed_out(self, spec: StructuredOutputs, f: Future) -> ValueError:
         """The error for a wait on ``f`` that ran past the bound. A compile still queued is
         dropped; one that ran past the bound is remembered, so the spec is refused at once next
-        time (a running compile cannot be stopped: it finishes on the compile thread)."""
+        time (a running compile cannot be stopped: it finishes on its thread, at the lowest priority)."""
         key = _key(spec)
         if not f.cancel():
             with self._lock:
                 self._slow[key] = None
                 while len(self._slow) > SLOW_SPECS_KEPT:
                     self._slow.popitem(last=False)
-        return self._too_slow(key[0])
+        return self._too_slow(spec)
 
     def compile(self, spec: StructuredOutputs) -> "xgr.CompiledGrammar":
         """The compiled grammar of ``spec`` (from the cache when it was seen lately), waiting at
@@ -268,10 +413,14 @@ class GrammarCompiler:
 
         Raises ValueError naming the field when the schema, regex or grammar is invalid or too slow."""
         f = self.compile_future(spec)
+        if not f.done():
+            self.prepare()
         try:
             return f.result(timeout=self.max_compile_seconds)
         except (FutureTimeout, CancelledError):
             raise self.timed_out(spec, f) from None
+        except _Refused as e:
+            raise self.refused(spec, e) from None
 
     def validate(self, spec: StructuredOutputs) -> "xgr.CompiledGrammar":
         """Compile ``spec`` (caching it) and return it, or raise ValueError naming the field."""
@@ -297,8 +446,7 @@ class GrammarCompiler:
     def hold_serialized(self, request_id: str, text: str) -> None:
         """Hold a grammar compiled in another process for the same tokenizer (a tensor-parallel
         driver's): loading it costs far less than compiling it again on the step loop."""
-        if self._compiler is None:
-            self._compiler = self._build()
+        self._built()
         import xgrammar as xgr
 
         self.hold(request_id, xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info))
@@ -311,9 +459,10 @@ class GrammarCompiler:
         return RequestGrammar(compiled, self.vocab_size, self.stop_token_ids)
 
     def close(self) -> None:
-        """Stop the compile thread (a compile under way finishes first, in the background)."""
-        if self._jobs is not None:
-            self._jobs.put(None)  # type: ignore[arg-type]
+        """Stop the launcher: no queued compile starts (those under way finish in the background)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
 
 
 async def await_compiled(grammars: GrammarCompiler, spec: StructuredOutputs) -> None:
@@ -323,10 +472,12 @@ async def await_compiled(grammars: GrammarCompiler, spec: StructuredOutputs) -> 
     import asyncio
 
     f = grammars.compile_future(spec)
-    if f.done() and not f.cancelled():
-        f.result()
-        return
     try:
+        if f.done() and not f.cancelled():
+            f.result()
+            return
+        if not grammars.ready:  # once per process: not held against this spec's bound
+            await asyncio.to_thread(grammars.prepare)
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(f)), grammars.max_compile_seconds)
     except asyncio.TimeoutError:
         raise grammars.timed_out(spec, f) from None
@@ -334,6 +485,8 @@ async def await_compiled(grammars: GrammarCompiler, spec: StructuredOutputs) -> 
         if f.cancelled():  # another waiter's timeout dropped the queued compile
             raise grammars.timed_out(spec, f) from None
         raise
+    except ValueError as e:
+        raise grammars.refused(spec, e) from None
 
 
 def _key(spec: StructuredOutputs) -> tuple[str, str]:

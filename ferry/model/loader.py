@@ -14,6 +14,7 @@ from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import cached_gguf_weights, set_activations
 from ferry.model.gguf_convert import converted_dir, embedded_gguf_path
+from ferry.model.hub import local_model
 from ferry.model.tensor_parallel import shard_rows
 
 log = logging.getLogger(__name__)
@@ -22,24 +23,27 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def gguf_file(model: str | None) -> Path | None:
-    """The GGUF file ``model`` names (None: the embedded SmolLM2's), or None for a directory."""
+    """The GGUF file ``model`` names (None: the embedded SmolLM2's; a Hugging Face name
+    ``ORG/NAME:QUANT`` resolves through ``ferry.model.hub``), or None for a directory."""
     if model is None:
         return embedded_gguf_path()
-    path = Path(model)
-    return path if path.is_file() and path.suffix == ".gguf" else None
+    path = local_model(model)
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
 def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> Path:
-    """A Hugging Face directory for ``model``: a GGUF (None means the embedded SmolLM2) is
-    converted once, for its config and tokenizer (and its float weights, for quantization none)."""
+    """A Hugging Face directory for ``model`` (a path, or a Hugging Face name ``ORG/NAME[:QUANT]``
+    that ``ferry.model.hub`` resolves): a GGUF (None means the embedded SmolLM2) is converted
+    once, for its config and tokenizer (and its float weights, for quantization none)."""
     gguf = gguf_file(model)
     if gguf is not None:
         return converted_dir(gguf, Path(cache_dir) if cache_dir else None)
-    path = Path(model)
+    path = local_model(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model path {model!r} does not exist (ferry loads local directories only)")
+        raise FileNotFoundError(f"model path {model!r} does not exist (ferry loads a local directory, a .gguf "
+                                f"file or a Hugging Face name ORG/NAME[:QUANT])")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {model!r} has no config.json")
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     return path
 
 

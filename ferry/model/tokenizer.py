@@ -60,6 +60,12 @@ class Tokenizer:
     def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         """The text of ``conversation`` through the chat template (see apply_chat_template)."""
+        return self._transformers().apply_chat_template(conversation, tools=tools, tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt,
+                                                        **template_kwargs)
+
+    def _transformers(self) -> Any:
+        """transformers' tokenizer of the model, loaded on first use (it holds the chat template)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         with TRANSFORMERS_LOCK:  # a server renders chats in several threads at once
@@ -67,8 +73,21 @@ class Tokenizer:
                 from transformers import AutoTokenizer
 
                 self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
-        return self._hf.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self._hf
+
+    @property
+    def chat_template_loaded(self) -> bool:
+        """Whether chat_template_context answers at once (transformers' tokenizer is loaded)."""
+        return self._hf is not None
+
+    def chat_template_context(self, tools: list[dict[str, Any]] | None = None,
+                              chat_template: str | None = None) -> tuple[str, dict[str, Any]]:
+        """What a render outside transformers' tokenizer needs, as its apply_chat_template would
+        use them: the template's source (``chat_template`` itself or one of the model's named
+        templates; by default the model's, its tool-use one when there are ``tools``) and the
+        special tokens templates read (bos_token, ...)."""
+        hf = self._transformers()
+        return hf.get_chat_template(chat_template, tools), dict(hf.special_tokens_map)
 
     @functools.cached_property
     def chat_template(self) -> str:

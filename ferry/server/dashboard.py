@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
@@ -23,8 +23,9 @@ class LiveSource(Protocol):
     async def live_state(self) -> list[dict[str, Any]]: ...
 
 
-def dashboard_router(engine: LiveSource, model_name: str) -> APIRouter:
-    """The two routes, for ``app.include_router``."""
+def dashboard_router(engine: LiveSource, model_name: str | Callable[[], str]) -> APIRouter:
+    """The two routes, for ``app.include_router``; ``model_name``, or a function that gives it
+    (a server of several models shows the first one loaded)."""
     page = PAGE.read_text(encoding="utf-8")
     router = APIRouter()
 
@@ -36,6 +37,7 @@ def dashboard_router(engine: LiveSource, model_name: str) -> APIRouter:
     @router.get("/dashboard/state")
     async def state() -> dict[str, Any]:
         """Each replica's recent steps, current load and windowed latencies (README, "Live dashboard")."""
-        return {"model": model_name, "time": round(time.time(), 3), "replicas": await engine.live_state()}
+        name = model_name() if callable(model_name) else model_name
+        return {"model": name, "time": round(time.time(), 3), "replicas": await engine.live_state()}
 
     return router

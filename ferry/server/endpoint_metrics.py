@@ -8,7 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 # The endpoints counted by name; any other path is "other" (a scan of random paths cannot grow the labels).
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/messages",
-             "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics")
+             "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
+             "/models/load", "/models/unload")
 
 
 class EndpointMetrics:
@@ -37,7 +38,9 @@ class EndpointMetrics:
         try:
             await self.app(scope, receive, counted_send)
         finally:
-            self.requests.labels(self.model_name, endpoint, str(status[0])).inc()
+            # The model the request picked (a server of several models), else the server's.
+            model = scope.get("ferry.model", self.model_name)
+            self.requests.labels(model, endpoint, str(status[0])).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,8 +31,9 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 _FIELD = re.compile(r"^(?:prompt \(|prompt |)([a-z_]+)")
-# pydantic names the union member or type it tried ("list[int]", "constrained-float"); users want the path
-_TYPE_IN_LOC = re.compile(r"^(str|int|float|bool|list|dict|function|constrained)\b")
+# pydantic names the union member or type it tried ("list[int]", "constrained-float", "function-after[...]");
+# users want the path (a field named "function", as a tool call's, stays)
+_TYPE_IN_LOC = re.compile(r"^((str|int|float|bool|list|dict|constrained)\b|function-)")
 
 
 def bad_value(e: ValueError) -> APIError:

@@ -11,7 +11,7 @@ import hmac
 import json
 import logging
 from typing import Any, Awaitable, Callable
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlencode
 
 from starlette.exceptions import HTTPException
 
@@ -22,8 +22,16 @@ Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("ferry.server")
 
-# Paths an API key guards: the API itself, the pages that describe it, the live dashboard.
-PROTECTED = ("/v1", "/docs", "/redoc", "/openapi.json", "/reset_prefix_cache", "/dashboard")
+# The only routes an API key leaves open: probes that a load balancer or Prometheus reads. Every
+# other path, whatever its spelling (a trailing slash, percent-encoding, a route added later), needs it.
+OPEN = ("/health", "/metrics")
+# Pages a browser opens without the key: they hold no data and ask for the key themselves.
+OPEN_PAGES = ("/",)
+# Query parameter names taken for the key (matched without case): any of them is stripped from the
+# query, and so is any parameter whose value is the key, so that no spelling lands in the access log.
+KEY_PARAMS = ("key", "api_key", "api-key")
+# Where the stripped ``key`` parameter's value waits in the scope for the guard.
+QUERY_KEY = "ferry.query_key"
 # The one route that also takes the key as ``?key=KEY``: a browser opening a link sends no header.
 # Its data (/dashboard/state) still needs the header, which the page sends.
 KEY_IN_QUERY = "/dashboard"
@@ -58,17 +66,58 @@ async def send_page(send: Send, status: int, html: bytes) -> None:
     await send({"type": "http.response.body", "body": html})
 
 
-def strip_query_key(scope: Scope) -> str | None:
-    """Take ``key=`` out of the query string of any request, in place, so neither the app nor
-    the access log (uvicorn logs this same scope) ever sees it. Returns the key (the last one)."""
+def strip_query_key(scope: Scope, api_key: bytes | None = None) -> str | None:
+    """Take the key out of the query string of any request, in place, so neither the app nor the
+    access log (uvicorn logs this same scope) ever sees it: every parameter named as in
+    ``KEY_PARAMS`` in any case or percent-encoding, and any parameter that holds ``api_key``; a
+    query that still holds the key in any decoding (``;`` separators, ``+`` for a space) is dropped
+    whole. Returns the value of the last ``key`` parameter."""
+    if QUERY_KEY in scope:  # stripped already, by an outer layer
+        return scope[QUERY_KEY]
     query = scope.get("query_string", b"")
-    if b"key" not in query:
+    scope[QUERY_KEY] = None
+    if not query:
         return None
-    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
-    keys = [v for k, v in pairs if k == "key"]
-    if keys:
-        scope["query_string"] = urlencode([(k, v) for k, v in pairs if k != "key"]).encode()
-    return keys[-1] if keys else None
+    raw = query.decode("latin-1")
+    pairs = parse_qsl(raw, keep_blank_values=True)
+    secret = api_key.decode("utf-8", "replace") if api_key else None
+
+    def is_key(name: str, value: str) -> bool:
+        return name.lower() in KEY_PARAMS or (secret is not None and (secret in name or secret in value))
+
+    kept = [(k, v) for k, v in pairs if not is_key(k, v)]
+    if len(kept) < len(pairs):
+        scope["query_string"] = urlencode(kept).encode()
+    left = scope["query_string"].decode("latin-1")
+    if secret is not None and any(secret in form for form in (left, unquote(left), unquote_plus(left))):
+        scope["query_string"] = b""
+    named = [v for k, v in pairs if k.lower() == "key"]
+    scope[QUERY_KEY] = named[-1] if named else None
+    return scope[QUERY_KEY]
+
+
+class ScrubQueryKey:
+    """The outermost layer: the key out of the query string before anything answers or logs the
+    request (CORS answers a browser's preflight itself, and uvicorn logs that too)."""
+
+    def __init__(self, app: Callable, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            strip_query_key(scope, self.api_key)
+        await self.app(scope, receive, send)
+
+
+def needs_key(scope: Scope) -> bool:
+    """Whether this request's route is guarded: all but ``OPEN`` (and ``OPEN_PAGES`` for a GET).
+    The path is compared as routing sees it (percent-decoded by the server), less one trailing slash."""
+    path = scope["path"]
+    path = path[:-1] if len(path) > 1 and path.endswith("/") else path
+    if path in OPEN:
+        return False
+    return not (path in OPEN_PAGES and scope["method"] in ("GET", "HEAD"))
 
 
 async def drain(receive: Receive) -> None:
@@ -89,11 +138,13 @@ async def drain(receive: Receive) -> None:
 
 
 class Guard:
-    """Refuses requests without the API key (401), bodies over ``max_request_bytes`` (413, then
-    the connection closes) and HTTP versions other than 1.x (505); answers HEAD wherever GET is.
+    """Refuses requests without the API key (401) on every route but ``OPEN`` (``/health`` and
+    ``/metrics``) and the pages of ``OPEN_PAGES``, bodies over ``max_request_bytes`` (413, then the
+    connection closes) and HTTP versions other than 1.x (505); answers HEAD wherever GET is.
 
-    The key is ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send it), or ``?key=KEY`` on ``GET /dashboard`` only (the
-    page then sends the header on its own requests); without it that page is a key form."""
+    The key is ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send
+    it), or ``?key=KEY`` on ``GET /dashboard`` only (the page then sends the header on its own
+    requests); without it that page is a key form."""
 
     def __init__(self, app: Callable, api_key: str | None, max_request_bytes: int) -> None:
         self.app = app
@@ -115,15 +166,17 @@ class Guard:
         return hmac.compare_digest(key.encode(), self.api_key or b"")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and self.api_key and not self.authorized(dict(scope["headers"])):
+            return await send({"type": "websocket.close", "code": 1008})  # a policy violation: no key
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        key = strip_query_key(scope)
+        key = strip_query_key(scope, self.api_key)
         if scope.get("http_version", "1.1") not in HTTP_VERSIONS:
             return await send_error(send, 505, f"HTTP version {scope['http_version']} is not supported "
                                     f"(HTTP/1.0 and HTTP/1.1 are)", "invalid_request_error",
                                     headers={"Connection": "close"})
         headers = dict(scope["headers"])
-        if (self.api_key and scope["path"].startswith(PROTECTED) and not self.query_key_ok(scope, key)
+        if (self.api_key and needs_key(scope) and not self.query_key_ok(scope, key)
                 and not self.authorized(headers)):
             if scope["method"] == "GET" and scope["path"] == KEY_IN_QUERY:
                 return await send_page(send, 401, _KEY_FORM)

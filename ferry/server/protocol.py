@@ -73,7 +73,20 @@ class StructuredOutputsField(BaseModel):
     structural_tag: StrictStr | None = None
 
 
-class _Sampling(BaseModel):
+class TextRequest(BaseModel):
+    """A request body whose strings must be valid text: a lone UTF-16 surrogate (JSON allows the
+    escape; no tokenizer can encode it) is a 400 naming the field that holds it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = _find_surrogate(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'body'} holds a lone UTF-16 surrogate, which is not valid text")
+        return data
+
+
+class _Sampling(TextRequest):
     """Fields shared by completions and chat; unknown fields are ignored, as OpenAI servers do."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -109,14 +122,6 @@ class _Sampling(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        where = _find_surrogate(data, "")
-        if where is not None:
-            raise ValueError(f"{where or 'body'} holds a lone UTF-16 surrogate, which is not valid text")
-        return data
 
     def check_supported(self) -> None:
         """Raise UnsupportedField for fields that would change the output in ways ferry cannot honour."""
@@ -190,13 +195,32 @@ class CompletionRequest(_Sampling):
             raise UnsupportedField("suffix", "suffix (insertion) is not supported")
 
 
+class CalledFunction(BaseModel):
+    """An earlier call's function: its name, and its arguments (OpenAI's JSON text, or the object)."""
+
+    model_config = ConfigDict(extra="allow")  # what else a client sends reaches the template as before
+
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] | None = None
+
+
+class MessageToolCall(BaseModel):
+    """One of an assistant's earlier tool calls, sent back in its message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr | None = None
+    type: StrictStr | None = None
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, sent back
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls, sent back
     tool_call_id: StrictStr | None = None  # a tool result's call
     reasoning_content: StrictStr | None = None
     reasoning: StrictStr | None = None
@@ -213,6 +237,7 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template
+    chat_template: StrictStr | None = None  # vLLM's: this request's own template (--trust-request-chat-template)
     include_reasoning: StrictBool = True  # vLLM's: False drops the reasoning from the reply
 
     def check_supported(self) -> None:

@@ -410,18 +410,24 @@ class ReplicaSet:
 
     async def prometheus(self) -> bytes:
         """Every replica's metrics, each sample labelled with its replica, plus the router's."""
-        from prometheus_client import CollectorRegistry, generate_latest
+        return merged_exposition([*await self._each("metric_families"), list(self.registry.collect())])
 
-        merged: dict[str, Any] = {}
-        for families in await self._each("metric_families"):
-            for fam in families or ():
-                if fam.name in merged:
-                    merged[fam.name].samples.extend(fam.samples)
-                else:
-                    merged[fam.name] = fam
-        registry = CollectorRegistry()
-        registry.register(_Families(list(merged.values()) + list(self.registry.collect())))
-        return generate_latest(registry)
+
+def merged_exposition(groups: list[list[Any] | None]) -> bytes:
+    """Prometheus' text of metric families collected from several registries (replicas, or the
+    models of a server of several): the samples of one name under one HELP and TYPE."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    merged: dict[str, Any] = {}
+    for families in groups:
+        for fam in families or ():
+            if fam.name in merged:
+                merged[fam.name].samples.extend(fam.samples)
+            else:
+                merged[fam.name] = fam
+    registry = CollectorRegistry()
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)
 
 
 class _Families:

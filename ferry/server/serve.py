@@ -7,11 +7,20 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from ferry.config import EngineConfig
+
+if TYPE_CHECKING:
+    from ferry.engine.async_engine import AsyncEngine
+    from ferry.server.context import ChatLimits
+    from ferry.server.model_pool import PoolSettings
+    from ferry.server.replicas import ReplicaSet
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("ferry.serve")
@@ -19,6 +28,8 @@ log = logging.getLogger("ferry.serve")
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     from ferry.server.app import DEFAULT_MAX_REQUEST_BYTES
+    from ferry.server.context import ChatLimits
+    from ferry.server.json_body import DEFAULT_MAX_JSON_VALUES
     from ferry.server.reasoning import REASONING_PARSERS
     from ferry.server.tools.parsers import PARSERS
 
@@ -27,11 +38,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", help="the model id clients send (default: the model's directory name)")
     g.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes and the API docs (or set FERRY_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (or x-api-key: KEY) on every route but /health "
+                        "and /metrics (or set FERRY_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=512,
                    help="past this many waiting requests, new ones get 503 with Retry-After")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies are refused with 413 (default: 8 MiB)")
+    g.add_argument("--max-request-json-values", type=int, default=DEFAULT_MAX_JSON_VALUES,
+                   help="request bodies with more JSON values are refused with 413 before they are parsed "
+                        f"(parsing holds up every request; default: {DEFAULT_MAX_JSON_VALUES:,})")
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS, or '*' (default: CORS off)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -42,6 +57,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the format the model writes tool calls in (default: read from the chat template)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think>...</think> text into reasoning_content (default: off)")
+    limits = ChatLimits()
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates that requests bring (chat_template, or chat_template_kwargs."
+                        "chat_template); without it they are refused with 400. A template is code: each render "
+                        "is bounded by the two settings below, in a process of its own")
+    g.add_argument("--max-chat-template-seconds", type=float, default=limits.max_template_seconds,
+                   help="a chat template render (the model's or a request's) that takes longer is cancelled, "
+                        f"and its request refused with 400 (default: {limits.max_template_seconds:g})")
+    g.add_argument("--max-chat-template-chars", type=int, default=limits.max_template_chars,
+                   help="a chat template render with a longer output is refused with 400 "
+                        f"(default: {limits.max_template_chars:,})")
+    g.add_argument("--max-tools", type=int, default=limits.max_tools,
+                   help=f"a request with more tools is refused with 400 (default: {limits.max_tools}, OpenAI's)")
+    g.add_argument("--max-tools-bytes", type=int, default=limits.max_tools_bytes,
+                   help="a request whose tools' JSON is larger, all together, is refused with 400 "
+                        f"(default: {limits.max_tools_bytes:,})")
+    add_model_pool_args(p)
     from ferry.server.router import add_router_args
 
     add_router_args(p)
@@ -50,43 +82,155 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "default: start a local one")
 
 
+def add_model_pool_args(p: argparse.ArgumentParser) -> None:
+    """Several models behind one server (``model_pool.py``), as llama-server's router mode serves them."""
+    from ferry.server.model_pool import PoolSettings
+
+    d = PoolSettings()
+    g = p.add_argument_group("several models (--model repeated, or --models-dir): each loaded on its "
+                             "first request, as its own engine; requests must name theirs in 'model'")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every model directly under DIR: each directory with a config.json and each "
+                        ".gguf file (not mmproj-*), named by its directory's or file's name (GET /v1/models "
+                        "lists them); with --model too, those as well")
+    g.add_argument("--max-loaded-models", type=int, default=d.max_loaded, metavar="N",
+                   help="at most N models loaded at once: loading one more first unloads the least recently "
+                        f"used model with no request in flight (default: {d.max_loaded})")
+    g.add_argument("--models-memory-gb", type=float, default=None, metavar="GB",
+                   help="at most this much memory (GiB) for the loaded models, each counted as its weights' "
+                        "file size plus its KV cache budget (--kv-cache-memory-gb); past it, as above "
+                        "(default: no budget)")
+    g.add_argument("--idle-unload-seconds", type=float, default=None, metavar="S",
+                   help="unload a model that no request has used for S seconds (default: never)")
+    g.add_argument("--model-load-timeout", type=float, default=d.load_timeout_s, metavar="S",
+                   help="a request waits at most S seconds for its model to load (or for room to load it), "
+                        f"then gets 503 with Retry-After; the load goes on (default: {d.load_timeout_s:g})")
+
+
+def model_sources(models: list[str] | None, models_dir: str | None) -> list[str | None]:
+    """The models to serve: each --model (none given and no --models-dir: the embedded one), then
+    every model directly under ``models_dir``, sorted by name."""
+    from ferry.model.hub import is_model_gguf
+
+    sources: list[str | None] = list(models or ([] if models_dir else [None]))
+    if models_dir is not None:
+        root = Path(models_dir).expanduser()
+        if not root.is_dir():
+            raise FileNotFoundError(f"--models-dir {models_dir!r} is not a directory")
+        found = [str(path) for path in sorted(root.iterdir())
+                 if (path.is_dir() and (path / "config.json").is_file())
+                 or (path.is_file() and is_model_gguf(path.name))]
+        if not found:
+            raise FileNotFoundError(f"--models-dir {models_dir!r} holds no model (a directory with a "
+                                    f"config.json, or a .gguf file)")
+        sources += found
+    return sources
+
+
+def served_name(model: str | None) -> str:
+    """The id clients send by default: a Hugging Face name as given (as vLLM serves it), else
+    the directory's or file's name."""
+    from ferry.model.hub import is_hub_name
+
+    if model is None:
+        return DEFAULT_NAME
+    return model if is_hub_name(model) else Path(model).expanduser().absolute().name
+
+
 def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from ferry.engine.async_engine import AsyncEngine
-    from ferry.engine.llm_engine import LLMEngine
     from ferry.server.app import build_app
+    from ferry.server.model_pool import ModelEntry, ModelPool
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.max_request_json_values < 1:
+        raise ValueError(f"--max-request-json-values must be >= 1, got {args.max_request_json_values}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    limits = chat_limits(args)  # before the model loads: a bad flag fails at once
+    settings = pool_settings(args)
+    sources = model_sources(model_flags(args), args.models_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_NAME)
+    build = partial(build_engine, max_waiting_requests=args.max_waiting_requests)
+    if len(sources) == 1 and args.models_dir is None:  # one model, loaded now: a pool of one
+        config = replace(config, model=sources[0])
+        name = args.served_model_name or served_name(config.model)
+        front, where = one_front(args, config, name)
+        replicas = args.data_parallel_size > 1
+        if replicas and settings.idle_unload_s is not None:
+            raise ValueError("--idle-unload-seconds unloads a model to load it again on request: not with "
+                             "--data-parallel-size > 1")
+        pool = ModelPool.of_one(name, front, config, settings, None if replicas else build)
+        serving = f"{name!r}"
+        where = f"{where}, max_model_len {front.max_model_len}"
+    else:
+        if args.served_model_name:
+            raise ValueError("--served-model-name names the one model served; with several, each is named "
+                             "by its directory's or file's name")
+        if args.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size > 1 serves one model: not with several --model or --models-dir")
+        pool = ModelPool([ModelEntry(served_name(source), replace(config, model=source)) for source in sources],
+                         settings, build)
+        serving = f"{len(pool.entries)} models ({', '.join(pool.entries)})"
+        where = "each loaded on its first request"
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    app = build_app(pool, None, args.api_key, args.max_request_bytes, origins, args.tool_call_parser,
+                    args.reasoning_parser, limits, args.max_request_json_values)
+    print(f"ferry: serving {serving} on http://{args.host}:{args.port} ({where})", flush=True)
+    # uvicorn re-raises the signal that stopped it to the handler that was there before it; a no-op
+    # one makes the orderly shutdown exit 0, as a supervisor expects.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5),
+                            pool, args.shutdown_timeout)
+    server.run()
+    return 0
+
+
+def model_flags(args: argparse.Namespace) -> list[str] | None:
+    """The --model flags given (repeatable), or None."""
+    models = args.model
+    return [models] if isinstance(models, str) else models
+
+
+def build_engine(config: EngineConfig, max_waiting_requests: int | None = None) -> AsyncEngine:
+    """One model's engine, loaded (its step loop starts with ``start``)."""
+    from ferry.engine.async_engine import AsyncEngine
+    from ferry.engine.llm_engine import LLMEngine
+
+    return AsyncEngine(lambda: LLMEngine.from_config(config), max_waiting_requests)
+
+
+def one_front(args: argparse.Namespace, config: EngineConfig, name: str) -> tuple[AsyncEngine | ReplicaSet, str]:
+    """The one model's engine, or its data-parallel replicas, and what to say of it."""
     if args.data_parallel_size > 1:
         from ferry.server.replicas import ReplicaSet
         from ferry.server.router import RouterConfig
 
         front = ReplicaSet(config, args.data_parallel_size, RouterConfig(policy=args.router_policy), name,
                            args.max_waiting_requests, args.ray_address)
-        where = (f"{args.data_parallel_size} replicas on Ray, {front.infos[0]['num_kv_blocks']} KV blocks each, "
-                 f"router {args.router_policy}")
-    elif args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    else:
-        front = AsyncEngine(lambda: LLMEngine.from_config(config), args.max_waiting_requests)
-        where = f"{front.engine.num_kv_blocks} KV blocks"
-    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
-    app = build_app(front, name, args.api_key, args.max_request_bytes, origins, args.tool_call_parser,
-                    args.reasoning_parser)
-    print(f"ferry: serving {name!r} on http://{args.host}:{args.port} "
-          f"({where}, max_model_len {front.max_model_len})", flush=True)
-    # uvicorn re-raises the signal that stopped it to the handler that was there before it; a no-op
-    # one makes the orderly shutdown exit 0, as a supervisor expects.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5),
-                            front, args.shutdown_timeout)
-    server.run()
-    return 0
+        return front, (f"{args.data_parallel_size} replicas on Ray, {front.infos[0]['num_kv_blocks']} KV blocks "
+                       f"each, router {args.router_policy}")
+    front = build_engine(config, args.max_waiting_requests)
+    return front, f"{front.engine.num_kv_blocks} KV blocks"
+
+
+def pool_settings(args: argparse.Namespace) -> PoolSettings:
+    """The settings of several models on the command line (ValueError naming a bad one)."""
+    from ferry.server.model_pool import PoolSettings
+
+    return PoolSettings(args.max_loaded_models, args.models_memory_gb, args.idle_unload_seconds,
+                        args.model_load_timeout)
+
+
+def chat_limits(args: argparse.Namespace) -> ChatLimits:
+    """The chat settings on the command line (ValueError naming a bad one)."""
+    from ferry.server.context import ChatLimits
+
+    return ChatLimits(args.trust_request_chat_template, args.max_chat_template_seconds,
+                      args.max_chat_template_chars, args.max_tools, args.max_tools_bytes)
 
 
 class DrainingServer(uvicorn.Server):

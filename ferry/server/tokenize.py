@@ -8,25 +8,29 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from ferry.server.context import context
+from ferry.server.context import model_context
 from ferry.server.errors import APIError
+from ferry.server.json_body import BoundedJSONRoute
+from ferry.server.protocol import ChatMessage, TextRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TextRequest):
     """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: StrictStr | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None  # typed as chat's: a bad message is a 400 naming messages
     add_special_tokens: StrictBool | None = None  # a prompt's (default True); a chat's come from its template
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last message is left open, to be continued
     return_token_strs: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: StrictStr | None = None  # this request's own template (--trust-request-chat-template)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -44,14 +48,14 @@ class DetokenizeRequest(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
-    ctx = context(raw)
-    ctx.check_model(body.model)
+    ctx = await model_context(raw, body.model)
     tok = ctx.need_tokenizer()
     if body.messages is not None:
         from ferry.server.openai.chat import chat_prompt
 
         _, ids = await chat_prompt(ctx, body.messages, body.tools, None, None, body.chat_template_kwargs,
-                                   body.add_generation_prompt)
+                                   body.add_generation_prompt, body.continue_final_message,
+                                   chat_template=body.chat_template, raw=raw)
     else:
         try:
             ctx.engine.check_text_length(len(body.prompt or ""), "prompt has")
@@ -67,8 +71,7 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
-    ctx = context(raw)
-    ctx.check_model(body.model)
+    ctx = await model_context(raw, body.model)
     tok = ctx.need_tokenizer()
     vocab = len(tok)
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)

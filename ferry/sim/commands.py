@@ -1,4 +1,4 @@
-"""``ferry simulate [run|calibrate|seed]`` and ``ferry tune``."""
+"""``ferry simulate [run|calibrate|batching-report|route]`` and ``ferry tune``."""
 from __future__ import annotations
 
 import argparse
@@ -31,15 +31,15 @@ def cmd_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size is for ferry simulate route (got {args.data_parallel_size} "
                          f"with {action})")
-    if action == "seed":
-        from ferry.bench.seed_experiments import GPU, QUICK, run_seed_experiments
+    if action == "batching-report":
+        from ferry.bench.batching_report import GPU, QUICK, run_batching_report
 
         if not args.out:
-            raise ValueError("ferry simulate seed needs --out DIR")
-        report = run_seed_experiments(
+            raise ValueError("ferry simulate batching-report needs --out DIR")
+        report = run_batching_report(
             config, args.out, progress=False, factory=factory, mixed_path=args.mixed_workload,
             scale=QUICK if args.quick else GPU, plots=not args.no_plots, only=args.only,
-            title=f"ferry simulate: the seed's experiments, {args.model or 'smollm2-135m'} on "
+            title=f"ferry simulate: the batching experiments, {args.model or 'smollm2-135m'} on "
                   f"{args.tensor_parallel_size} x {factory.hw.name} (simulated)")
         print(f"wrote {report}")
         return 0
@@ -232,31 +232,32 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
 def add_sim_parsers(sub: Any, add_engine_args: Callable[..., None],
                     run: Callable[[Callable[[argparse.Namespace, EngineConfig], int]], Any]) -> None:
     from ferry.bench.commands import add_output_args, add_workload_args, parse_rate_arg
-    from ferry.bench.seed_experiments import DEFAULT_MIXED
+    from ferry.bench.batching_report import DEFAULT_MIXED
     from ferry.bench.sweep import SWEEPABLE
     from ferry.server.router import add_router_args
 
     p = sub.add_parser("simulate", help="the engine loop and scheduler on a cost model of a GPU (or of this machine)",
                        description="run (default): one workload in simulated time; calibrate: fit a profile of "
-                                   "this machine; seed: the seed's experiments at GPU scale; route: data-parallel "
+                                   "this machine; batching-report: the batching experiments at GPU scale; route: "
+                                   "data-parallel "
                                    "replicas behind the router, one run per --policies.")
-    p.add_argument("action", nargs="?", choices=("run", "calibrate", "seed", "route"))
+    p.add_argument("action", nargs="?", choices=("run", "calibrate", "batching-report", "route"))
     add_workload_args(p)
     p.add_argument("--request-rate", type=parse_rate_arg, default=None,
                    help="requests/s, Poisson (seeded by --seed); inf = all at once; default: the workload's own")
     p.add_argument("--num-runs", type=int, default=1, help=argparse.SUPPRESS)
     add_output_args(p)
-    p.add_argument("--out", help="calibrate: the profile JSON to write; seed: the report directory")
+    p.add_argument("--out", help="calibrate: the profile JSON to write; batching-report: the report directory")
     p.add_argument("--from-run", nargs="+", metavar="RUN.json",
                    help="calibrate: fit to the steps of these runs (ferry bench offline|online --output-json) "
                         "instead of timing synthetic step shapes")
     p.add_argument("--reps", type=int, default=3, help="calibrate: timed repetitions per step shape and pass")
     p.add_argument("--passes", type=int, default=2, help="calibrate: measuring passes over all shapes")
     p.add_argument("--samples-json", help="calibrate: also write the measured steps here")
-    p.add_argument("--quick", action="store_true", help="seed: small sizes")
-    p.add_argument("--no-plots", action="store_true", help="seed: tables only")
-    p.add_argument("--only", default="abcdef", help="seed: which experiments, e.g. 'f' (default: all)")
-    p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="seed: the mixed-lengths workload")
+    p.add_argument("--quick", action="store_true", help="batching-report: small sizes")
+    p.add_argument("--no-plots", action="store_true", help="batching-report: tables only")
+    p.add_argument("--only", default="abcdef", help="batching-report: which experiments, e.g. 'f' (default: all)")
+    p.add_argument("--mixed-workload", default=str(DEFAULT_MIXED), help="batching-report: the mixed-lengths workload")
     add_router_args(p)
     g = p.add_argument_group("route (also --dp, --num-prompts (default 1000), --output-len, --request-rate, "
                              "or a --workload file)")

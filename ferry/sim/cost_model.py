@@ -21,7 +21,7 @@ path does; GPU kernels read the paged cache in place: no G, no term). R_prefill 
 more than one token: an engine whose prefill path differs from its decode path (ferry's CPU
 engine runs decodes in one fused C call per layer, prefills through torch) pays a fixed cost
 for each.
-Tensor parallelism divides FLOPs and bytes by tp. See docs/simulator.md for the limits.
+Tensor parallelism divides FLOPs and bytes by tp. See docs/scheduling.md for the limits.
 """
 from __future__ import annotations
 

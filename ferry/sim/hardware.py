@@ -27,7 +27,7 @@ class Hardware:
     per_prefill_chunk_ms: float = 0.0  # per chunk of more than one token (a separate prefill path)
     interconnect_gbs: float = 0.0  # per-device link bandwidth for tensor-parallel all-reduce
     # Fixed cost of one all-reduce. 25 us, not NCCL's ~10 us ring latency: vLLM's published 70B TP-4
-    # decode latencies on H100 and H200 (docs/simulator.md) sit 2.3-3.3 ms a step above the model
+    # decode latencies on H100 and H200 (docs/scheduling.md) sit 2.3-3.3 ms a step above the model
     # with 10 us, which is 15-20 us more for each of the step's 160 all-reduces.
     allreduce_latency_us: float = 25.0
     kv_cache_memory_gb: float | None = None  # fixed KV size (as a CPU engine is told) instead of memory - weights

@@ -8,21 +8,22 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ferry.engine.async_engine import EngineDead
 from ferry.server.anthropic.errors import anthropic_error_body
-from ferry.server.context import ServerContext, context
+from ferry.server.context import ServerContext, model_context
 from ferry.server.errors import APIError
 from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
+from ferry.server.json_body import BoundedJSONRoute
 from ferry.server.openai.chat import ChoiceText, chat_prompt, tool_overrides, tool_parser
-from ferry.server.protocol import ChatCompletionRequest, Number
+from ferry.server.protocol import ChatCompletionRequest, Number, TextRequest
 from ferry.server.tools.calls import ToolCall
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(TextRequest):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -40,7 +41,7 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(TextRequest):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -51,15 +52,26 @@ class CountTokensRequest(BaseModel):
 
 
 def _text(blocks: Any, where: str) -> str:
+    """The text of a string or a list of text blocks; anything else is a 400 naming ``where``."""
     if isinstance(blocks, str):
         return blocks
+    if blocks is not None and not isinstance(blocks, list):
+        raise APIError(400, f"{where} must be a string or a list of text blocks, got {type(blocks).__name__}",
+                       param=where)
     out = []
     for j, b in enumerate(blocks or []):
         if not isinstance(b, dict) or b.get("type") != "text":
             raise APIError(400, f"{where}[{j}].type: {b.get('type') if isinstance(b, dict) else b!r} is not "
                            "supported here (text only)", param=f"{where}[{j}].type")
-        out.append(str(b.get("text", "")))
+        out.append(_string(b.get("text", ""), f"{where}[{j}].text"))
     return "".join(out)
+
+
+def _string(value: Any, where: str) -> str:
+    """``value``, a string; anything else is a 400 naming ``where``."""
+    if not isinstance(value, str):
+        raise APIError(400, f"{where} must be a string, got {type(value).__name__}", param=where)
+    return value
 
 
 def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
@@ -83,7 +95,7 @@ def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, A
             where = f"messages[{i}].content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
-                texts.append(str(b.get("text", "")))
+                texts.append(_string(b.get("text", ""), f"{where}.text"))
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": b.get("id"), "type": "function", "function": {
                     "name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
@@ -92,7 +104,7 @@ def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, A
                 conv.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                              "content": ("Error: " if b.get("is_error") else "") + result})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                thinking.append(str(b.get("thinking", "")))
+                thinking.append(_string(b.get("thinking", ""), f"{where}.thinking"))
             else:
                 raise APIError(400, f"{where}.type: block type {kind!r} is not supported in a {role} message",
                                param=f"{where}.type")
@@ -126,9 +138,14 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, A
     return tools, choice, parallel
 
 
-async def _prompt(ctx: ServerContext, body: MessagesRequest | CountTokensRequest):
+async def _prompt(ctx: ServerContext, body: MessagesRequest | CountTokensRequest, raw: Request):
     tools, choice, parallel = _tools(body)
-    return await chat_prompt(ctx, conversation(body), tools, choice, parallel, None)
+    conv = conversation(body)
+    if not conv:
+        raise APIError(400, "messages hold no content", param="messages")
+    # A last assistant message (text only) is a prefill: the reply continues it, in no new turn.
+    prefill = conv[-1]["role"] == "assistant" and bool(conv[-1]["content"]) and "tool_calls" not in conv[-1]
+    return await chat_prompt(ctx, conv, tools, choice, parallel, None, continue_final=prefill, raw=raw)
 
 
 def stop_reason(finish: str | None, stop: int | str | None, calls: list[ToolCall]) -> tuple[str, str | None]:
@@ -152,19 +169,17 @@ def _tool_use(c: ToolCall) -> dict[str, Any]:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, raw: Request) -> dict[str, Any]:
-    ctx = context(raw)
-    ctx.check_model(body.model)
-    _, prompt = await _prompt(ctx, body)
+    ctx = await model_context(raw, body.model)
+    _, prompt = await _prompt(ctx, body, raw)
     return {"input_tokens": len(prompt)}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, raw: Request):
-    ctx = context(raw)
-    ctx.check_model(body.model)
+    ctx = await model_context(raw, body.model)
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens must be an integer >= 1, got {body.max_tokens}", param="max_tokens")
-    spec, prompt = await _prompt(ctx, body)
+    spec, prompt = await _prompt(ctx, body, raw)
     sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], max_tokens=body.max_tokens,
                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                      stop=body.stop_sequences)
@@ -173,16 +188,19 @@ async def messages(body: MessagesRequest, raw: Request):
     stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0), tag_fallback=spec is not None and spec.choice == "auto")
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
-        return StreamingResponse(_events(ctx, stream, spec, parser, mid), media_type="text/event-stream")
+        return StreamingResponse(_events(ctx, stream, spec, parser, mid, prompt), media_type="text/event-stream")
     out = (await collect(stream, raw))[0]
     comp = out.outputs[0]
-    reasoning, text, calls = ChoiceText(ctx, spec, parser).whole(comp.text)
     content: list[dict[str, Any]] = []
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text:
-        content.append({"type": "text", "text": text})
-    content += [_tool_use(c) for c in calls]
+    calls: list[ToolCall] = []
+    for kind, value in ChoiceText(ctx, spec, parser, prompt).whole_pieces(comp.text):  # as the stream orders them
+        if kind == "call":
+            calls.append(value)
+            content.append(_tool_use(value))
+        elif kind == "reasoning":
+            content.append({"type": "thinking", "thinking": value, "signature": ""})
+        else:
+            content.append({"type": "text", "text": value})
     reason, seq = stop_reason(comp.finish_reason, comp.stop_reason, calls)
     usage = usage_of([out], 1)
     return {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": content,
@@ -191,10 +209,11 @@ async def messages(body: MessagesRequest, raw: Request):
                       "cache_read_input_tokens": usage.cached_tokens}}
 
 
-async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, mid: str) -> AsyncIterator[str]:
+async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, mid: str,
+                  prompt: list[int] | None = None) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop,
     message_delta (stop_reason, usage), message_stop; an error event if the request fails."""
-    text = ChoiceText(ctx, spec, parser)
+    text = ChoiceText(ctx, spec, parser, prompt)
     usage = Usage(1)
     index, open_kind = -1, None
 
@@ -208,6 +227,25 @@ async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, mid: 
     def delta(d: dict[str, Any]) -> str:
         return sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
 
+    def text_events(kind: str, piece: str) -> list[str]:
+        """A piece of reasoning or content: a delta of the open block of its kind, or of a new one."""
+        if kind == "reasoning":
+            events = [] if open_kind == "thinking" else start("thinking", {"type": "thinking", "thinking": "",
+                                                                           "signature": ""})
+            return events + [delta({"type": "thinking_delta", "thinking": piece})]
+        events = [] if open_kind == "text" else start("text", {"type": "text", "text": ""})
+        return events + [delta({"type": "text_delta", "text": piece})]
+
+    def call_events(calls: list[dict[str, Any]]) -> list[str]:
+        events = []
+        for c in calls:
+            if "id" in c:  # a new call: a tool_use block of its own
+                block = _tool_use(ToolCall(c["function"]["name"], "{}", c["id"]))
+                events += start("tool_use", {**block, "input": {}})
+            if c["function"].get("arguments"):
+                events.append(delta({"type": "input_json_delta", "partial_json": c["function"]["arguments"]}))
+        return events
+
     try:
         started = False
         async for d in deltas(stream, 1, usage):
@@ -217,24 +255,9 @@ async def _events(ctx: ServerContext, stream: Any, spec: Any, parser: Any, mid: 
                     "id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
                     "stop_reason": None, "stop_sequence": None,
                     "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": 0}}}, "message_start")
-            reasoning, content, calls = text.feed(d.text, d.finished)
-            if reasoning:
-                if open_kind != "thinking":
-                    for e in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
-                        yield e
-                yield delta({"type": "thinking_delta", "thinking": reasoning})
-            if content:
-                if open_kind != "text":
-                    for e in start("text", {"type": "text", "text": ""}):
-                        yield e
-                yield delta({"type": "text_delta", "text": content})
-            for c in calls:
-                if "id" in c:  # a new call: a tool_use block of its own
-                    block = _tool_use(ToolCall(c["function"]["name"], "{}", c["id"]))
-                    for e in start("tool_use", {**block, "input": {}}):
-                        yield e
-                if c["function"].get("arguments"):
-                    yield delta({"type": "input_json_delta", "partial_json": c["function"]["arguments"]})
+            for kind, value in text.feed_pieces(d.text, d.finished):  # in the order written
+                for e in call_events([value]) if kind == "call" else text_events(kind, value):
+                    yield e
             if d.finished:
                 made = text.tools.calls if text.tools is not None else []
                 reason, seq = stop_reason(d.completion.finish_reason, d.completion.stop_reason, made)

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: OpenAI's chat completions, with tools and reasoning."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -9,19 +10,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ferry.engine.outputs import RequestOutput
-from ferry.server.context import ServerContext, context
+from ferry.server.context import RequestTemplate, ServerContext, model_context
 from ferry.server.errors import APIError, bad_value
 from ferry.server.generation import Usage, collect, deltas, include_usage, openai_sse, usage_of
+from ferry.server.json_body import BoundedJSONRoute
 from ferry.server.logprobs import chat_logprobs, prompt_logprobs_json
 from ferry.server.protocol import ChatCompletionRequest
-from ferry.server.reasoning import REASONING_PARSERS, ReasoningStream
+from ferry.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens
 from ferry.server.tools.calls import ToolCall
 from ferry.server.tools.output import ToolOutput, finish_reason
 from ferry.server.tools.parsers import PARSERS, ToolParser, parser_for_template
 from ferry.server.tools.render import with_tools
-from ferry.server.tools.spec import ToolSpec, call_tags, tool_spec
+from ferry.server.tools.spec import (ToolSpec, call_tags, check_schemas, check_tool_count, check_tool_limits,
+                                     tool_spec)
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
 def text_content(content: str | list[dict] | None, param: str = "messages") -> str:
@@ -56,40 +59,163 @@ def tool_parser(ctx: ServerContext) -> ToolParser:
     return parser_for_template(ctx.tokenizer.chat_template if ctx.tokenizer is not None else "")
 
 
-class ChoiceText:
-    """One choice's text split into reasoning, content and tool calls, whole or as it streams."""
+# One piece of a choice's output, in the order written: ("reasoning", text), ("content", text) or
+# ("call", OpenAI's tool_call delta as it streams; the ToolCall in ``ChoiceText.whole_pieces``).
+Piece = tuple[str, Any]
 
-    def __init__(self, ctx: ServerContext, spec: ToolSpec | None, parser: ToolParser) -> None:
+
+class ChoiceText:
+    """One choice's text split into reasoning, content and tool calls, whole or as it streams.
+    ``prompt``: the request's token ids, whose end tells whether the template opened a think block
+    (None: not known, ``ReasoningStream``'s lone ``</think>`` rule applies).
+    Beside tool calls, content that is only whitespace is none (OpenAI's null, no empty text block).
+    The pieces come in the order the model wrote them (``feed_pieces``), whole the same as streamed:
+    a call written inside the reasoning comes between the reasoning before and after it."""
+
+    def __init__(self, ctx: ServerContext, spec: ToolSpec | None, parser: ToolParser,
+                 prompt: list[int] | None = None) -> None:
         rp = REASONING_PARSERS.get(ctx.reasoning_parser or "")
         constrained = spec is not None and spec.constrained  # the grammar starts the output with the call
-        self.reasoning = ReasoningStream(rp) if rp is not None and not constrained else None
+        opened = None
+        if rp is not None and prompt and ctx.tokenizer is not None:
+            opened = prompt_opens(rp, ctx.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+        self.reasoning = ReasoningStream(rp, opened) if rp is not None and not constrained else None
         self.tools = ToolOutput(spec, parser) if spec is not None and spec.choice != "none" else None
+        self.blank = ""  # whitespace-only content held back until other text (or the end) says what it is
+        self.spoke = False  # content other than whitespace was given
 
     def feed(self, text: str, finished: bool) -> tuple[str, str, list[dict[str, Any]]]:
-        """(reasoning delta, content delta, tool_call deltas)."""
+        """(reasoning delta, content delta, tool_call deltas): ``feed_pieces`` gathered by kind."""
+        pieces = self.feed_pieces(text, finished)
+        return ("".join(v for k, v in pieces if k == "reasoning"), "".join(v for k, v in pieces if k == "content"),
+                [v for k, v in pieces if k == "call"])
+
+    def feed_pieces(self, text: str, finished: bool) -> list[Piece]:
+        """What ``text``, the choice's next text, gives: reasoning, content and tool_call deltas in the
+        order written (what the Responses and Messages routes turn into items and blocks)."""
         reasoning, content = self.reasoning.feed(text, finished) if self.reasoning else ("", text)
-        calls: list[dict[str, Any]] = []
-        if self.tools is not None:
-            content, calls = self.tools.feed(content, finished)
-        return reasoning, content, calls
+        if self.tools is None:
+            return [(k, v) for k, v in (("reasoning", reasoning), ("content", content)) if v]
+        pieces: list[Piece] = []
+        if self.reasoning is not None:
+            pieces += [("reasoning" if k == "text" else k, v)
+                       for k, v in self.tools.reasoning_parts(reasoning, finished or self.reasoning.done)]
+        for kind, value in self.tools.parts(content, finished):
+            if kind == "text":
+                kind, value = "content", self._unblank(value, False)
+            if value:
+                pieces.append((kind, value))
+        if finished and (rest := self._unblank("", True)):
+            pieces.append(("content", rest))
+        return pieces
+
+    def _unblank(self, content: str, finished: bool) -> str:
+        """Content as it may be sent: whitespace before any other content waits, and is dropped at
+        the end if the model called tools."""
+        if self.spoke:
+            return content
+        self.blank += content
+        if self.blank.strip() or (finished and not self.tools.calls):
+            self.spoke, content, self.blank = bool(self.blank.strip()), self.blank, ""
+            return content
+        return ""
 
     def whole(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
-        reasoning, content = self.reasoning.whole(text) if self.reasoning else (None, text)
-        if self.tools is None:
-            return reasoning, content, []
-        content, calls = self.tools.whole(content)
-        return reasoning, content, calls
+        """(reasoning, None when there was no think block; content; calls) of a whole output."""
+        pieces = self.whole_pieces(text)
+        reasoning = "".join(v for k, v in pieces if k == "reasoning")
+        return (reasoning if self.reasoning is not None and self.reasoning.saw else None,
+                "".join(v for k, v in pieces if k == "content"), [v for k, v in pieces if k == "call"])
+
+    def whole_pieces(self, text: str) -> list[Piece]:
+        """A whole output's pieces in the order written, each run of one kind merged, a call as its
+        ToolCall: the items (blocks) a stream of the same text makes, however it is split."""
+        out: list[Piece] = []
+        for kind, value in self.feed_pieces(text, True):
+            if kind == "call":
+                if "id" in value:
+                    out.append(("call", self.tools.calls[value["index"]]))
+            elif out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1] + value)
+            else:
+                out.append((kind, value))
+        if self.tools is not None:
+            self.tools.settle()
+        return out
+
+
+# Arguments of the render that ferry sets itself: a request's chat_template_kwargs may not.
+OWN_TEMPLATE_ARGUMENTS = ("tools", "add_generation_prompt", "messages", "conversation", "conversations")
+
+
+def request_template(ctx: ServerContext, template_kwargs: dict[str, Any] | None,
+                     chat_template: str | None = None) -> tuple[dict[str, Any], RequestTemplate | None]:
+    """(chat_template_kwargs for the template, the template the request brought, if any: the
+    top-level ``chat_template`` or ``chat_template_kwargs.chat_template``). A 400 naming the field
+    for a template the server does not trust (--trust-request-chat-template), or kwargs that
+    would set what ferry sets itself."""
+    kwargs = dict(template_kwargs or {})
+    own = next((k for k in OWN_TEMPLATE_ARGUMENTS if k in kwargs), None)
+    if own is not None:
+        hint = " (send tools in the request's tools field)" if own == "tools" else ""
+        raise APIError(400, f"chat_template_kwargs may not set {own!r}: the server sets it{hint}",
+                       param="chat_template_kwargs")
+    brought = [(f, t) for f, t in (("chat_template", chat_template),
+                                   ("chat_template_kwargs.chat_template", kwargs.pop("chat_template", None)))
+               if t is not None]
+    if not brought:
+        return kwargs, None
+    field, source = brought[0]
+    if len(brought) > 1:
+        raise APIError(400, "give one chat template: chat_template or chat_template_kwargs.chat_template",
+                       param=field)
+    if not ctx.limits.trust_request_chat_template:
+        raise APIError(400, f"{field}: this server renders only its model's chat template (its operator "
+                       f"can allow templates in requests with --trust-request-chat-template)",
+                       param=field, code="unsupported_field")
+    if not isinstance(source, str) or not source.strip():
+        raise APIError(400, f"{field} must be a chat template (a non-empty string)", param=field)
+    return kwargs, RequestTemplate(source, field)
+
+
+async def checked_tools(ctx: ServerContext, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                        parallel: bool | None) -> tuple[ToolSpec | None, int]:
+    """(the tools' spec, their JSON size): the count bound first, then (off the event loop, in
+    linear time) the size bound and each tool's shape. The schemas are validated later
+    (``check_schemas``), once the prompt's length is known to fit."""
+    limits = ctx.limits
+    if not tools:
+        return tool_spec(tools, tool_choice, parallel), 0
+    check_tool_count(tools, limits.max_tools)
+
+    def check() -> tuple[ToolSpec | None, int]:
+        size = check_tool_limits(tools, limits.max_tools, limits.max_tools_bytes)
+        return tool_spec(tools, tool_choice, parallel, schemas=False), size
+
+    return await asyncio.to_thread(check)
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[Any], tools: list[dict[str, Any]] | None,
                       tool_choice: Any, parallel: bool | None, template_kwargs: dict[str, Any] | None,
-                      add_generation_prompt: bool = True) -> tuple[ToolSpec | None, list[int]]:
+                      add_generation_prompt: bool = True, continue_final: bool = False,
+                      chat_template: str | None = None, raw: Request | None = None
+                      ) -> tuple[ToolSpec | None, list[int]]:
     """The checked tools and the prompt's token ids: the conversation (with earlier calls and
-    results) and the tools through the chat template, or the generic tool prompt (``render.py``)."""
-    spec = tool_spec(tools, tool_choice, parallel)
-    conv, template_tools = with_tools(conversation_of(messages), spec, ctx.need_tokenizer().chat_template)
-    prompt = await ctx.render_chat(conv, tools=template_tools, add_generation_prompt=add_generation_prompt,
-                                   **(template_kwargs or {}))
+    results) and the tools through the chat template, or the generic tool prompt (``render.py``).
+    ``continue_final``: the last (assistant) message is the start of the answer, left open.
+    ``chat_template``: the request's top-level field; ``raw``: the request, whose client's
+    disconnecting cancels the render. Cheap checks come first, the tools' schemas last."""
+    kwargs, template = request_template(ctx, template_kwargs, chat_template)
+    spec, tools_size = await checked_tools(ctx, tools, tool_choice, parallel)
+    source = template.source if template is not None else ctx.need_tokenizer().chat_template
+    conv, template_tools = with_tools(conversation_of(messages), spec, source)
+    ctx.check_prompt_length(conv, tools_size if template_tools else 0)
+    if spec is not None:
+        await asyncio.to_thread(check_schemas, spec)
+    if continue_final:
+        kwargs["continue_final_message"] = True
+    prompt = await ctx.render_chat(conv, template_tools, add_generation_prompt and not continue_final, kwargs,
+                                   template=template, raw=raw)
     return spec, prompt
 
 
@@ -112,11 +238,11 @@ def tool_overrides(spec: ToolSpec | None, parser: ToolParser, constrained: bool 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request):
-    ctx = context(raw)
+    ctx = await model_context(raw, body.model)
     ctx.check_request(body)
     tokenizer = ctx.need_tokenizer()
     spec, prompt = await chat_prompt(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls,
-                                     body.chat_template_kwargs)
+                                     body.chat_template_kwargs, chat_template=body.chat_template, raw=raw)
     parser = tool_parser(ctx)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
@@ -148,9 +274,11 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            texts = [ChoiceText(ctx, spec, parser) for _ in range(body.n)]
+            texts = [ChoiceText(ctx, spec, parser, prompt) for _ in range(body.n)]
+            # With tools, content starts null, as OpenAI's does: an answer of only calls keeps it null.
+            first = None if texts[0].tools is not None else ""
             for i in range(body.n):
-                yield {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield {**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": first},
                                                   "logprobs": None, "finish_reason": None}]}
             usage = Usage(body.n)
             async for d in deltas(stream, body.n, usage):
@@ -183,7 +311,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
 
     def message_choice(i: int, out: RequestOutput) -> dict[str, Any]:
         comp = out.outputs[0]
-        reasoning, content, calls = ChoiceText(ctx, spec, parser).whole(comp.text)
+        reasoning, content, calls = ChoiceText(ctx, spec, parser, prompt).whole(comp.text)
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if reasoning is not None and show_reasoning:
             message.update(reasoning_content=reasoning, reasoning=reasoning)

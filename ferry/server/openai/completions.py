@@ -9,13 +9,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ferry.engine.outputs import RequestOutput
-from ferry.server.context import context
+from ferry.server.context import model_context
 from ferry.server.errors import APIError
 from ferry.server.generation import Usage, collect, deltas, include_usage, openai_sse, prompt_only, usage_of
+from ferry.server.json_body import BoundedJSONRoute
 from ferry.server.logprobs import completion_logprobs, prompt_logprobs_json
 from ferry.server.protocol import CompletionRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
 def prompts_of(prompt: Any) -> list[str | list[int]]:
@@ -46,7 +47,7 @@ def _choice(i: int, text: str, logprobs: Any, finish: str | None) -> dict[str, A
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request):
-    ctx = context(raw)
+    ctx = await model_context(raw, body.model)
     ctx.check_request(body)
     tokenizer = ctx.tokenizer
     prompts = prompts_of(body.prompt)

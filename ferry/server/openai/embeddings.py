@@ -8,18 +8,20 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import ConfigDict, StrictInt, StrictStr
 
 from ferry.core.sampling_params import SamplingParams
-from ferry.server.context import context
+from ferry.server.context import model_context
 from ferry.server.errors import APIError
 from ferry.server.generation import collect
+from ferry.server.json_body import BoundedJSONRoute
 from ferry.server.openai.completions import prompts_of
+from ferry.server.protocol import TextRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(TextRequest):
     """OpenAI's embeddings request; ``pooling`` is ferry's (vLLM's pooling type), ``priority`` vLLM's."""
 
     model_config = ConfigDict(extra="ignore")
@@ -41,8 +43,7 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
-    ctx = context(raw)
-    ctx.check_model(body.model)
+    ctx = await model_context(raw, body.model)
     try:
         prompts = prompts_of(body.input)
     except APIError as e:

@@ -1,6 +1,7 @@
 """``POST /v1/responses``: OpenAI's Responses API on the same generation core, tools and reasoning;
 responses are stored (``store``, true by default, bounded: ``response_store.py``) so that
-``previous_response_id`` continues a conversation, and ``GET|DELETE /v1/responses/{id}`` read them."""
+``previous_response_id`` continues a conversation, and ``GET|DELETE /v1/responses/{id}`` read them;
+``text.format`` constrains the output as chat's ``response_format`` does."""
 from __future__ import annotations
 
 import json
@@ -10,19 +11,20 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ferry.engine.async_engine import EngineDead
-from ferry.server.context import ServerContext, context
+from ferry.server.context import ServerContext, context, model_context
 from ferry.server.errors import APIError
 from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
+from ferry.server.json_body import BoundedJSONRoute
 from ferry.server.openai.chat import ChoiceText, chat_prompt, text_content, tool_overrides, tool_parser
-from ferry.server.protocol import ChatCompletionRequest, Number
+from ferry.server.protocol import ChatCompletionRequest, Number, TextRequest
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedJSONRoute)
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(TextRequest):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -38,6 +40,7 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None
     previous_response_id: StrictStr | None = None
     metadata: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": ...}: the output's form (structured output)
 
 
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -47,39 +50,109 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     return list(body.input)
 
 
-def conversation(instructions: str | None, items: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
-    """Input items (messages, function calls and their outputs) as chat messages; items from
-    ``first`` on are the request's own (the ones before, a stored conversation's)."""
-    conv: list[dict[str, Any]] = []
-    if instructions:  # a previous response's instructions are not carried over (OpenAI's rule)
-        conv.append({"role": "system", "content": instructions})
-    for n, item in enumerate(items):
-        i = n - first
-        kind = item.get("type", "message")
-        where = f"input[{i}]"
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _text(content: Any, param: str) -> str:
+    """A message item's content as text: a string, or a list of text parts (a 400 naming ``param``
+    for anything else, which chat's ``text_content`` would take for parts and fail on)."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise APIError(400, f"{param}[{j}] must be a content part (an object with a type), got {part!r:.60}",
+                               param=param)
+            if part.get("type") in _TEXT_PARTS and not isinstance(part.get("text"), str):
+                raise APIError(400, f"{param}[{j}].text must be a string, got {part.get('text')!r:.60}", param=param)
+    elif content is not None and not isinstance(content, str):
+        raise APIError(400, f"{param} must be a string or a list of content parts, got {content!r:.60}",
+                       param=param)
+    return text_content(content, param)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str | None:
+    """``item[key]``, which must be a string when given (a 400 naming it otherwise)."""
+    value = item.get(key)
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, f"{where}.{key} must be a string, got {value!r:.60}", param=f"{where}.{key}")
+    return value
+
+
+def rendered_items(items: list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
+    """Input (or output) items checked and cut to what the chat template renders: a message's text,
+    a call's id, name and arguments, a call output's text; reasoning and every other field dropped.
+    What a stored response keeps for ``previous_response_id``, so nothing unrendered is held."""
+    kept: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind, at = item.get("type", "message"), f"{where}[{i}]"
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise APIError(400, f"{where}.role must be user, assistant, system or developer, got {role!r}",
-                               param=f"{where}.role")
-            conv.append({"role": "system" if role == "developer" else role,
-                         "content": text_content(item.get("content"), f"{where}.content")})
+                raise APIError(400, f"{at}.role must be user, assistant, system or developer, got {role!r:.60}",
+                               param=f"{at}.role")
+            kept.append({"type": "message", "role": role, "content": _text(item.get("content"), f"{at}.content")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            args = item.get("arguments", "{}")
+            if not isinstance(args, (str, dict)):  # JSON text, or the object (as chat takes it)
+                raise APIError(400, f"{at}.arguments must be a JSON string or an object, got {args!r:.60}",
+                               param=f"{at}.arguments")
+            kept.append({"type": "function_call", "call_id": _string(item, "call_id", at),
+                         "name": _string(item, "name", at), "arguments": args})
+        elif kind == "function_call_output":
+            out = item.get("output")
+            kept.append({"type": "function_call_output", "call_id": _string(item, "call_id", at),
+                         "output": out if isinstance(out, str) else json.dumps(out)})
+        elif kind != "reasoning":  # earlier reasoning is not shown to the model again
+            raise APIError(400, f"{at}.type: input item type {kind!r:.60} is not supported", param=f"{at}.type")
+    return kept
+
+
+def conversation(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rendered items (``rendered_items``: messages, function calls and their outputs) as chat messages."""
+    conv: list[dict[str, Any]] = []
+    if instructions:  # a previous response's instructions are not carried over (OpenAI's rule)
+        conv.append({"role": "system", "content": instructions})
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            conv.append({"role": "system" if item["role"] == "developer" else item["role"],
+                         "content": item["content"]})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if conv and conv[-1]["role"] == "assistant" and "tool_calls" in conv[-1]:
                 conv[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 conv.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out = item.get("output")
-            conv.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                         "content": out if isinstance(out, str) else json.dumps(out)})
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not shown to the model again
         else:
-            raise APIError(400, f"{where}.type: input item type {kind!r} is not supported", param=f"{where}.type")
+            conv.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return conv
+
+
+def text_format(body: ResponsesRequest) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``text.format`` checked (a 400 naming it): the format as the response reports it, and the
+    same as chat's ``response_format`` (which ``_Sampling.structured`` turns into the constraint)."""
+    fmt = (body.text or {}).get("format")
+    if fmt is None:
+        return {"type": "text"}, None
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"text.format must be an object with a type, got {fmt!r:.60}", param="text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return {"type": "text"}, None
+    if kind == "json_object":
+        return {"type": "json_object"}, {"type": "json_object"}
+    if kind != "json_schema":
+        raise APIError(400, f"text.format.type must be text, json_object or json_schema, got {kind!r:.60}",
+                       param="text.format")
+    if not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, f"text.format.schema: a json_schema format needs a JSON schema object, got "
+                       f"{fmt.get('schema')!r:.60}", param="text.format")
+    for key, want, what in (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean")):
+        if fmt.get(key) is not None and not isinstance(fmt[key], want):
+            raise APIError(400, f"text.format.{key} must be {what}, got {fmt[key]!r:.60}", param="text.format")
+    shown = {"type": "json_schema", **{k: fmt[k] for k in ("name", "schema", "description", "strict")
+                                       if fmt.get(k) is not None}}
+    return shown, {"type": "json_schema", "json_schema": {k: v for k, v in shown.items() if k != "type"}}
 
 
 def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
@@ -137,7 +210,7 @@ def _body(ctx: ServerContext, body: ResponsesRequest, rid: str, created: int, st
             "previous_response_id": body.previous_response_id, "store": body.store is not False,
             "metadata": body.metadata or {}, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "text": {"format": text_format(body)[0]}, "truncation": "disabled",
             "usage": None if usage is None else {
                 "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -147,8 +220,7 @@ def _body(ctx: ServerContext, body: ResponsesRequest, rid: str, created: int, st
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, raw: Request):
-    ctx = context(raw)
-    ctx.check_model(body.model)
+    ctx = await model_context(raw, body.model)
     before: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = ctx.responses.get(body.previous_response_id)
@@ -157,36 +229,52 @@ async def responses(body: ResponsesRequest, raw: Request):
                            f"(never stored, deleted, or dropped from the bounded store)",
                            param="previous_response_id", code="not_found")
         before = stored.items
-    items = before + input_items(body)
+    items = before + rendered_items(input_items(body))
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise APIError(400, f"max_output_tokens must be an integer >= 1, got {body.max_output_tokens}",
                        param="max_output_tokens")
+    response_format = text_format(body)[1]
     tools, choice = _tools(body)
-    spec, prompt = await chat_prompt(ctx, conversation(body.instructions, items, len(before)), tools, choice,
-                                     body.parallel_tool_calls, None)
-    sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], temperature=body.temperature,
-                                     top_p=body.top_p)
+    spec, prompt = await chat_prompt(ctx, conversation(body.instructions, items), tools, choice,
+                                     body.parallel_tool_calls, None, raw=raw)
+    try:  # text.format goes through chat's response_format, so both constrain the output alike
+        sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], temperature=body.temperature,
+                                         top_p=body.top_p, response_format=response_format)
+        own_format = sampling.structured() is not None
+    except ValueError as e:  # pydantic's refusal (a lone surrogate in the schema) or structured()'s
+        msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
+        raise APIError(400, "text.format: " + msg.replace("response_format.json_schema.", "text.format."),
+                       param="text.format") from None
+    if spec is not None and spec.constrained and own_format:
+        raise APIError(400, "tool_choice 'required' or a named function already constrains the output; "
+                       "send no text.format with it", param="tool_choice")
     parser = tool_parser(ctx)
-    sp = ctx.params(sampling, body.max_output_tokens, None, None, **tool_overrides(spec, parser))
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0), tag_fallback=spec is not None and spec.choice == "auto")
+    sp = ctx.params(sampling, body.max_output_tokens, None, None, **tool_overrides(spec, parser, own_format))
+    try:
+        stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0),
+                                  tag_fallback=spec is not None and spec.choice == "auto" and not own_format)
+    except APIError as e:  # a schema the grammar engine refused is the format's fault
+        if own_format and (e.param or "").startswith("structured_outputs"):
+            raise APIError(400, f"text.format: {e.message}", param="text.format") from None
+        raise
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return StreamingResponse(_events(ctx, body, stream, spec, parser, rid, created, items),
+        return StreamingResponse(_events(ctx, body, stream, spec, parser, rid, created, items, prompt),
                                  media_type="text/event-stream")
     out = (await collect(stream, raw))[0]
     comp = out.outputs[0]
-    reasoning, text, calls = ChoiceText(ctx, spec, parser).whole(comp.text)
     outputs: list[dict[str, Any]] = []
-    if reasoning:
-        r = _reasoning()
-        r["content"][0]["text"], r["status"] = reasoning, "completed"
-        outputs.append(r)
-    if text or not calls:
+    for kind, value in ChoiceText(ctx, spec, parser, prompt).whole_pieces(comp.text):  # as the stream orders them
+        if kind == "call":
+            outputs.append({**_call(value.openai()), "arguments": value.arguments, "status": "completed"})
+            continue
+        item = _reasoning() if kind == "reasoning" else _message()
+        item["content"][0]["text"], item["status"] = value, "completed"
+        outputs.append(item)
+    if not any(o["type"] in ("message", "function_call") for o in outputs):  # an answer is at least a message
         m = _message()
-        m["content"][0]["text"], m["status"] = text, "completed"
+        m["status"] = "completed"
         outputs.append(m)
-    for c in calls:
-        outputs.append({**_call(c.openai()), "arguments": c.arguments, "status": "completed"})
     incomplete = "max_output_tokens" if comp.finish_reason == "length" else None
     final = _body(ctx, body, rid, created, "incomplete" if incomplete else "completed", outputs,
                   usage_of([out], 1), incomplete)
@@ -196,7 +284,7 @@ async def responses(body: ResponsesRequest, raw: Request):
 
 def _store(ctx: ServerContext, body: ResponsesRequest, final: dict[str, Any], items: list[dict[str, Any]]) -> None:
     if body.store is not False:
-        ctx.responses.put(final["id"], final, items + final["output"])
+        ctx.responses.put(final["id"], final, items + rendered_items(final["output"], "output"))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -215,12 +303,13 @@ async def delete_response(response_id: str, raw: Request) -> dict[str, Any]:
 
 
 async def _events(ctx: ServerContext, body: ResponsesRequest, stream: Any, spec: Any, parser: Any,
-                  rid: str, created: int, items: list[dict[str, Any]]) -> AsyncIterator[str]:
+                  rid: str, created: int, items: list[dict[str, Any]],
+                  prompt: list[int] | None = None) -> AsyncIterator[str]:
     """The Responses event sequence: response.created, per item output_item.added, its content or
     argument deltas and their .done events, output_item.done, then response.completed (or .incomplete)."""
     seq = 0
     out = _Items()
-    text = ChoiceText(ctx, spec, parser)
+    text = ChoiceText(ctx, spec, parser, prompt)
     usage = Usage(1)
 
     def ev(kind: str, **data: Any) -> str:
@@ -261,34 +350,41 @@ async def _events(ctx: ServerContext, body: ResponsesRequest, stream: Any, spec:
                              part=dict(item["content"][0])))
         return events
 
+    def text_events(kind: str, delta: str) -> list[str]:
+        """A piece of reasoning or content: added to the open item of its kind, or to a new one."""
+        reasoning = kind == "reasoning"
+        events = []
+        if out.open is None or out.open["type"] != ("reasoning" if reasoning else "message"):
+            events += open_(_reasoning() if reasoning else _message())
+        out.open["content"][0]["text"] += delta
+        i = len(out.items) - 1
+        if reasoning:
+            events.append(ev("response.reasoning_text.delta", item_id=out.open["id"], output_index=i,
+                             content_index=0, delta=delta))
+        else:
+            events.append(ev("response.output_text.delta", item_id=out.open["id"], output_index=i,
+                             content_index=0, delta=delta, logprobs=[]))
+        return events
+
+    def call_events(calls: list[dict[str, Any]]) -> list[str]:
+        events = []
+        for c in calls:
+            if "id" in c:
+                events += open_(_call(c))
+            args = c["function"].get("arguments")
+            if args:
+                out.open["arguments"] += args
+                events.append(ev("response.function_call_arguments.delta", item_id=out.open["id"],
+                                 output_index=len(out.items) - 1, delta=args))
+        return events
+
     try:
         yield ev("response.created", response=_body(ctx, body, rid, created, "in_progress", [], None))
         yield ev("response.in_progress", response=_body(ctx, body, rid, created, "in_progress", [], None))
         async for d in deltas(stream, 1, usage):
-            reasoning, content, calls = text.feed(d.text, d.finished)
-            if reasoning:
-                if out.open is None or out.open["type"] != "reasoning":
-                    for e in open_(_reasoning()):
-                        yield e
-                out.open["content"][0]["text"] += reasoning
-                yield ev("response.reasoning_text.delta", item_id=out.open["id"], output_index=len(out.items) - 1,
-                         content_index=0, delta=reasoning)
-            if content:
-                if out.open is None or out.open["type"] != "message":
-                    for e in open_(_message()):
-                        yield e
-                out.open["content"][0]["text"] += content
-                yield ev("response.output_text.delta", item_id=out.open["id"], output_index=len(out.items) - 1,
-                         content_index=0, delta=content, logprobs=[])
-            for c in calls:
-                if "id" in c:
-                    for e in open_(_call(c)):
-                        yield e
-                args = c["function"].get("arguments")
-                if args:
-                    out.open["arguments"] += args
-                    yield ev("response.function_call_arguments.delta", item_id=out.open["id"],
-                             output_index=len(out.items) - 1, delta=args)
+            for kind, value in text.feed_pieces(d.text, d.finished):  # in the order written
+                for e in call_events([value]) if kind == "call" else text_events(kind, value):
+                    yield e
             if d.finished:
                 if not out.items:  # an empty answer is still a message
                     for e in open_(_message()):

@@ -7,6 +7,9 @@ it ends (a marker, or the end of the output), and how to read the calls between;
 from __future__ import annotations
 
 from ferry.server.tools.parsers.base import PARSERS, ToolParser, ToolStream, extract, parser_for_template
+# qwen_xml first: parser_for_template takes the first parser whose mark a template holds, and a
+# template writing <function= calls writes hermes's <tool_call> around them.
+from ferry.server.tools.parsers import qwen_xml  # noqa: F401  (it registers)
 from ferry.server.tools.parsers import generic_json, hermes, llama3, mistral  # noqa: F401  (they register)
 
 __all__ = ["PARSERS", "ToolParser", "ToolStream", "extract", "parser_for_template"]

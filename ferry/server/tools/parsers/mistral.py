@@ -26,4 +26,4 @@ def read_mistral(body: str, names: set[str] | None) -> list[ToolCall] | None:
 
 
 MISTRAL = register(ToolParser("mistral", "[TOOL_CALLS]", None, read_mistral, template_marks=("[TOOL_CALLS]",),
-                              special_markers=True, short_ids=True))
+                              special_markers=True, short_ids=True, args_marker="[ARGS]"))

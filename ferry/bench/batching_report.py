@@ -1,8 +1,9 @@
-"""The seed's experiments (a)-(d), run on an engine and written up as DIR/report.md.
+"""The batching report: experiments (a)-(f), run on an engine and written up as DIR/report.md.
 
-The report states what the engine measured, next to what the seed claims, whether
-or not they agree. Engines come from a factory, so the same experiments run on the
-real model (``ferry bench seed``) or on a simulated executor.
+The report states what the engine measured, next to what the batching literature claims
+(Orca's iteration-level scheduling, SARATHI's chunked prefills, vLLM's blog), whether or not
+they agree. Engines come from a factory, so the same experiments run on the real model
+(``ferry bench batching-report``) or on a simulated executor (``ferry simulate batching-report``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ferry.bench.workload import WorkloadRequest, load_workload, sample_lengths,
 from ferry.config import EngineConfig
 from ferry.engine.metrics import summarize
 
-DEFAULT_MIXED = Path(__file__).resolve().parents[2].parent / "shared" / "workloads" / "mixed-64.json"
+DEFAULT_MIXED = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "mixed-64.json"
 
 
 @dataclass
@@ -26,9 +27,10 @@ class Scale:
 
     longtail_n: int = 48
     longtail_out: int = 96
-    seed_n: int = 32
-    seed_mean: int = 100
-    seed_max: int = 2000
+    # the 32-request static-waste case: n output lengths of this mean and maximum
+    waste_n: int = 32
+    waste_mean: int = 100
+    waste_max: int = 2000
     static_batch: int = 16
     decoders: int = 16
     decoder_out: int = 400
@@ -62,7 +64,7 @@ class Scale:
     equal_latency_n: int = 400
 
 
-QUICK = Scale(longtail_n=8, longtail_out=24, seed_n=8, seed_mean=12, seed_max=60, static_batch=4,
+QUICK = Scale(longtail_n=8, longtail_out=24, waste_n=8, waste_mean=12, waste_max=60, static_batch=4,
               decoders=4, decoder_out=40, long_prompts=(300, 400), long_every=0.5, no_chunk_budget=512,
               chunk_budgets=(64,), sweep_n=8, sweep_in=64, sweep_out=16, sweep_rate=8.0,
               sweep_budgets=(32, 128), overload_n=12, overload_rate=20.0, overload_seqs=3, use_mixed=False,
@@ -71,7 +73,7 @@ QUICK = Scale(longtail_n=8, longtail_out=24, seed_n=8, seed_mean=12, seed_max=60
               caps_budget=128)
 
 
-# Sizes for a big model on a big GPU (ferry simulate seed): thousands of requests, 64-request static batches.
+# Sizes for a big model on a big GPU (ferry simulate batching-report): thousands of requests, 64-request static batches.
 GPU = Scale(longtail_n=1000, longtail_out=200, static_batch=64, decoders=64, decoder_out=1500,
             long_prompts=(1500, 2000, 1800, 1600, 1900, 1700, 2000, 1500, 1800, 1600), long_every=0.5,
             no_chunk_budget=8192, chunk_budgets=(2048, 512), sweep_n=1000, sweep_in=512, sweep_out=256,
@@ -82,7 +84,7 @@ GPU = Scale(longtail_n=1000, longtail_out=200, static_batch=64, decoders=64, dec
             caps_threshold=1024, caps_budget=8192)
 
 
-def seed_case_lengths(n: int, mean: int, longest: int, seed: int = 0) -> list[int]:
+def static_waste_lengths(n: int, mean: int, longest: int, seed: int = 0) -> list[int]:
     """``n`` output lengths with the given mean and maximum: one request of ``longest`` tokens,
     the rest a lognormal tail scaled so the total is exactly ``n * mean``."""
     rest_total = n * mean - longest
@@ -131,10 +133,10 @@ class Report:
         return path
 
 
-def run_seed_experiments(base: EngineConfig, out_dir: str | Path, quick: bool = False, progress: bool = True,
-                         factory: Any = None, mixed_path: str | Path | None = DEFAULT_MIXED,
-                         title: str = "ferry: the seed's experiments on the real engine",
-                         scale: Scale | None = None, plots: bool = True, only: str = "abcdef") -> Path:
+def run_batching_report(base: EngineConfig, out_dir: str | Path, quick: bool = False, progress: bool = True,
+                        factory: Any = None, mixed_path: str | Path | None = DEFAULT_MIXED,
+                        title: str = "ferry: the batching experiments on the real engine",
+                        scale: Scale | None = None, plots: bool = True, only: str = "abcdef") -> Path:
     """Run (a)-(d) and (f) ((e) too at a scale that asks for it; ``only`` picks some) and write
     ``out_dir/report.md``; returns its path."""
     scale = scale or (QUICK if quick else Scale())
@@ -172,12 +174,13 @@ def run_seed_experiments(base: EngineConfig, out_dir: str | Path, quick: bool = 
 def _static_vs_continuous(rep: Report, base: EngineConfig, s: Scale, run, vocab: int,
                           mixed_path: str | Path | None) -> None:
     rep.add("## (a) Static vs continuous batching on mixed lengths", "",
-            "The seed: static batching keeps the GPU about 30% busy, continuous batching above 80%; "
-            "with 32 sequences of mean length 100 and max 2000 a static batch wastes about 95%. "
-            f"Static batches here hold B = {s.static_batch} requests (B = {s.seed_n} for the seed's case) and "
+            "The batching literature claims: static batching keeps the GPU about 30% busy, continuous batching "
+            "above 80%; with 32 sequences of mean length 100 and max 2000 a static batch wastes about 95%. "
+            f"Static batches here hold B = {s.static_batch} requests (B = {s.waste_n} for the {s.waste_n}-request "
+            "case) and "
             "recompute finished requests' slots until the batch ends. *Slot utilisation* = useful tokens / "
             "token slots computed (prefill included); *generation slot utilisation* = output tokens / "
-            "(output tokens + idle slot-steps), the seed's measure.", "")
+            "(output tokens + idle slot-steps), the measure those claims use.", "")
     sets: list[tuple[str, list[WorkloadRequest], int]] = []
     if s.use_mixed and mixed_path and Path(mixed_path).exists():
         sets.append(("mixed-64", load_workload(mixed_path), s.static_batch))
@@ -186,10 +189,11 @@ def _static_vs_continuous(rep: Report, base: EngineConfig, s: Scale, run, vocab:
     sets.append((f"long-tail ({s.longtail_n} req, lognormal out)",
                  synthetic_workload(s.longtail_n, 64, s.longtail_out, "uniform", "lognormal", seed=1,
                                     vocab_size=vocab), s.static_batch))
-    seed_lens = seed_case_lengths(s.seed_n, s.seed_mean, s.seed_max)
+    waste_lens = static_waste_lengths(s.waste_n, s.waste_mean, s.waste_max)
     rng = random.Random(2)
-    seed_reqs = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(16)], n) for n in seed_lens]
-    sets.append((f"seed case ({s.seed_n} req, mean {s.seed_mean}, max {s.seed_max})", seed_reqs, s.seed_n))
+    waste_reqs = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(16)], n) for n in waste_lens]
+    waste_case = f"{s.waste_n}-request case"
+    sets.append((f"{waste_case} ({s.waste_n} req, mean {s.waste_mean}, max {s.waste_max})", waste_reqs, s.waste_n))
     rows, runs = [], {}
     for name, reqs, batch in sets:
         for sched in ("continuous", "static"):
@@ -208,19 +212,19 @@ def _static_vs_continuous(rep: Report, base: EngineConfig, s: Scale, run, vocab:
         c, st = runs[(name, "continuous")].metrics, runs[(name, "static")].metrics
         rep.add(f"- {name}: continuous / static throughput = {c.output_throughput / st.output_throughput:.2f}x, "
                 f"mean queueing {_ms(st.stat('queue', 'mean'))} ms (static) vs {_ms(c.stat('queue', 'mean'))} ms.")
-    seed_name = sets[-1][0]
-    st = runs[(seed_name, "static")].metrics
-    formula = 1 - sum(seed_lens) / (len(seed_lens) * max(seed_lens))
-    rep.add(f"- Seed case: the static batch wasted {1 - st.generation_slot_utilization:.1%} of its generation "
-            f"slots (1 - sum(L) / (n * max L) = {formula:.1%}; the seed says about 95%); counting prefill "
-            f"slots too, {1 - st.slot_utilization:.1%} of all token slots. Continuous batching wasted "
-            f"{1 - runs[(seed_name, 'continuous')].metrics.generation_slot_utilization:.1%}.", "")
-    rep.add("Timelines of the seed's case (one row per request, one column per step): the static batch "
+    waste_name = sets[-1][0]
+    st = runs[(waste_name, "static")].metrics
+    formula = 1 - sum(waste_lens) / (len(waste_lens) * max(waste_lens))
+    rep.add(f"- {waste_case}: the static batch wasted {1 - st.generation_slot_utilization:.1%} of its generation "
+            f"slots (1 - sum(L) / (n * max L) = {formula:.1%}; the batching literature claims about 95%); "
+            f"counting prefill slots too, {1 - st.slot_utilization:.1%} of all token slots. Continuous batching "
+            f"wasted {1 - runs[(waste_name, 'continuous')].metrics.generation_slot_utilization:.1%}.", "")
+    rep.add(f"Timelines of the {waste_case} (one row per request, one column per step): the static batch "
             "holds finished requests' slots (orange) until its longest request ends; continuous batching "
             "lets them leave.", "")
-    rep.image("a-timeline-static.png", lambda p: plots.plot_timeline(runs[(seed_name, "static")], p),
+    rep.image("a-timeline-static.png", lambda p: plots.plot_timeline(runs[(waste_name, "static")], p),
               "static batching timeline")
-    rep.image("a-timeline-continuous.png", lambda p: plots.plot_timeline(runs[(seed_name, "continuous")], p),
+    rep.image("a-timeline-continuous.png", lambda p: plots.plot_timeline(runs[(waste_name, "continuous")], p),
               "continuous batching timeline")
     first = sets[0][0]
     rep.image("a-cdf.png", lambda p: plots.plot_cdfs([runs[(first, "continuous")], runs[(first, "static")]], p),
@@ -233,7 +237,7 @@ def _interference(rep: Report, base: EngineConfig, s: Scale, run, vocab: int) ->
             f"{s.decoders} requests decode steadily ({s.decoder_out} output tokens each, short prompts) while "
             f"{len(s.long_prompts)} long prompts ({', '.join(map(str, s.long_prompts))} tokens) arrive every "
             f"{s.long_every:g} s. Without chunking a long prompt is prefilled in one step and every decode waits "
-            "for it; with chunking it is cut to the token budget. The seed says decode P95 TPOT can slow "
+            "for it; with chunking it is cut to the token budget. The design says decode P95 TPOT can slow "
             "3-5x without chunking, and marks that unverified: this is the check.", "")
     rng = random.Random(3)
     decoders = [WorkloadRequest([rng.randrange(100, vocab) for _ in range(32)], s.decoder_out)
