@@ -83,6 +83,15 @@ def streamed(make, chunks: list[str]) -> dict:
             "calls": [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], "pieces": pieces}
 
 
+def first_arguments_chunk(make, chunks: list[str]) -> int | None:
+    """The index of the first chunk whose feeding sends some of a call's arguments."""
+    ct = make()
+    for k, chunk in enumerate(chunks):
+        if any(d["function"].get("arguments") for d in ct.feed(chunk, False)[2]):
+            return k
+    return None
+
+
 def whole(make, text: str) -> dict:
     """The non-streamed message (the chat route's rule: content null beside calls when empty)."""
     reasoning, content, calls = make().whole(text)
@@ -162,11 +171,7 @@ def test_streamed_arguments_arrive_in_pieces_as_they_are_written(tok, file, pars
     chunks = token_pieces(tok, text)
     assert streamed(make, chunks + [""])["pieces"][0] >= 5
     # The arguments begin going out long before the call is complete.
-    ct, first = make(), None
-    for k, chunk in enumerate(chunks):
-        if any(d["function"].get("arguments") for d in ct.feed(chunk, False)[2]):
-            first = k
-            break
+    first = first_arguments_chunk(make, chunks)
     assert first is not None and first < len(chunks) - 5
 
 

@@ -18,7 +18,7 @@ from ferry.server.openai.chat import ChoiceText, tool_overrides
 from ferry.server.tools.parsers import PARSERS, extract, parser_for_template
 from ferry.server.tools.render import with_tools
 from ferry.server.tools.spec import tool_spec
-from tests.test_tool_call_recovery import both, streamed, token_pieces
+from tests.test_tool_call_recovery import both, first_arguments_chunk, streamed, token_pieces
 
 TEMPLATES = Path(__file__).with_name("chat_templates")
 QWEN35 = "Qwen3.5-4B.jinja"
@@ -122,11 +122,7 @@ def test_a_string_value_streams_as_it_is_written(tok, qwen):
     assert both(tok, qwen, text)["calls"] == [("get_weather", {"city": LONG, "days": 2})]
     chunks = token_pieces(tok, text)
     assert streamed(qwen, chunks + [""])["pieces"][0] >= 5
-    ct, first = qwen(), None
-    for k, chunk in enumerate(chunks):
-        if any(d["function"].get("arguments") for d in ct.feed(chunk, False)[2]):
-            first = k
-            break
+    first = first_arguments_chunk(qwen, chunks)
     assert first is not None and first < len(chunks) - 5  # long before the call is complete
 
 
