@@ -38,7 +38,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     # seconds of generation with a real model (the embedded SmolLM2, tiny transformers models): parity
     # and invariance sweeps, and the ferry commands run as a subprocess
     "model": ("test_architectures.py", "test_batching_invariance.py", "test_hf_parity.py", "test_kv_cache_dtypes.py",
-              "test_spec_decode.py", "test_structured.py",
+              "test_spec_decode.py", "test_structured.py", "test_toy_architecture.py",
               "test_bench.py::test_bench_offline_and_online_write_json_and_plots",
               "test_bench.py::test_bench_sweep_marks_the_best_configuration_within_the_slo",
               "test_bench.py::test_bench_input_errors_are_messages",
@@ -60,6 +60,7 @@ TIERS: dict[str, tuple[str, ...]] = {
               "test_quant.py::test_embedded_model_stays_quantized_and_equals_its_float_conversion",
               "test_quant.py::test_a_q8_engine_stays_close_to_the_exact_one",
               "test_quant_packed.py::test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked",
+              "test_kernels_boundary.py::test_ferry_no_kernels_runs_the_torch_path_with_the_kernels_results",
               "test_sampling.py::test_seed_reproduces_and_different_seeds_differ",
               "test_sim.py::test_simulate_command_never_imports_torch",
               "test_sim.py::test_simulate_batching_report",

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
+from ferry.executor.base import Executor
 from ferry.executor.request_state import RequestStates
 
 
-class FakeExecutor:
+class FakeExecutor(Executor):
     """Checks each step's chunks against the request state, and 'samples' a deterministic token.
 
     The token depends only on the request's tokens so far, so any schedule gives the same text.
@@ -89,7 +90,7 @@ class FakeEngineFactory:
     """Engines over TimedFakeExecutors sharing one ManualClock (bench code without a model)."""
 
     def __init__(self, num_kv_blocks: int = 400, max_model_len: int = 4096) -> None:
-        from ferry.engine.clock import ManualClock
+        from ferry.core.clock import ManualClock
 
         self.clock = ManualClock()
         self.num_kv_blocks = num_kv_blocks

@@ -136,8 +136,8 @@ def test_a_quantized_gguf_runs_on_its_blocks(tiny_gguf, tmp_path, monkeypatch):
     gguf = write_gguf(model, tmp_path / f"{kind}-q8.gguf", quantize="Q8_0")
     kept, plain = engine(str(gguf), quantization="gguf"), engine(str(gguf), quantization="none")
     layer = kept.engine.executor.model.layers[0]
-    assert isinstance(layer.qkv, QuantWeight)
-    assert isinstance(layer.experts_gate_up[0] if layer.router is not None else layer.gate_up, QuantWeight)
+    assert isinstance(layer.mixer.qkv, QuantWeight)
+    assert isinstance(layer.mlp.gate_up[0] if hasattr(layer.mlp, "router") else layer.mlp.gate_up, QuantWeight)
     # The reference: transformers with every matrix rounded to Q8_0 and back by the gguf library.
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize

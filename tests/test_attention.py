@@ -67,7 +67,7 @@ def compare_on_random_cache(block_size: int, hq: int, hkv: int, d: int, kv_dtype
 
 @pytest.mark.parametrize("m,n,k", [(1, 7, 8), (3, 4, 64), (5, 13, 576), (16, 1001, 1536), (32, 64, 24)])
 def test_skinny_gemm_matches_torch(m, n, k):
-    from ferry.model.llama import skinny_linear
+    from ferry.model.layers.linear import skinny_linear
 
     if load_kernels() is None:
         pytest.fail("the kernels could not be built (no C compiler?)")

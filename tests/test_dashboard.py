@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from ferry.core.stats import SchedulerState
 from ferry.engine.live_state import LiveState, percentile
 from ferry.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ferry.engine.step_stats import StepStats
@@ -40,11 +41,20 @@ class Clock:
         return self.now
 
 
+class FakeScheduler:
+    """The scheduler's load, as ``state()`` reports it: 100 KV blocks, no preemptions."""
+
+    def __init__(self) -> None:
+        self.num_running = self.num_waiting = self.num_kv_blocks_used = 0
+
+    def state(self) -> SchedulerState:
+        return SchedulerState(self.num_running, self.num_waiting, self.num_kv_blocks_used, 100, 0)
+
+
 def fake_engine() -> SimpleNamespace:
-    kv = SimpleNamespace(pool=SimpleNamespace(num_used=0), num_queried_tokens=0, num_hit_tokens=0)
-    return SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=64), kv=kv, num_kv_blocks=100,
-                           num_preemptions=0, step_stats=[],
-                           scheduler=SimpleNamespace(num_running=0, num_waiting=0))
+    """What LiveState reads of an engine: its budget, the last step's record, the scheduler's state."""
+    return SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=64), last_step=None,
+                           scheduler=FakeScheduler())
 
 
 def finished(ttft: float, gaps: list[float], arrival: float = 0.0) -> RequestOutput:
@@ -57,21 +67,21 @@ def finished(ttft: float, gaps: list[float], arrival: float = 0.0) -> RequestOut
                          metrics=m, num_new_tokens=1)
 
 
-def step(engine: SimpleNamespace, prefill: int, decode: int) -> None:
-    engine.step_stats.append(StepStats(start=0, duration=0.01, num_prefill_tokens=prefill, num_decode_tokens=decode,
-                                       num_padding_tokens=0, num_requests=2, num_kv_blocks_used=3, num_preempted=0))
+def step(engine: SimpleNamespace, prefill: int, decode: int, queried: int = 0, hits: int = 0) -> None:
+    engine.last_step = StepStats(start=0, duration=0.01, num_prefill_tokens=prefill, num_decode_tokens=decode,
+                                 num_padding_tokens=0, num_requests=2, num_kv_blocks_used=3, num_preempted=0,
+                                 num_prefix_queried_tokens=queried, num_prefix_hit_tokens=hits)
 
 
 def test_live_state_keeps_recent_steps_and_windowed_latencies():
     clock, engine = Clock(), fake_engine()
     live = LiveState(window_s=10, steps_kept=5, clock=clock)
     for i in range(7):
-        step(engine, prefill=10 * i, decode=2)
-        engine.kv.pool.num_used, engine.scheduler.num_running = i, 2
-        engine.kv.num_queried_tokens += 10
-        engine.kv.num_hit_tokens += 5 if i % 2 else 0
+        step(engine, prefill=10 * i, decode=2, queried=10, hits=5 if i % 2 else 0)
+        engine.scheduler.num_kv_blocks_used, engine.scheduler.num_running = i, 2
         live.on_step(engine, [])
         clock.now += 1
+    engine.last_step = None
     live.on_step(engine, [])  # a step that scheduled nothing adds no step
     s = live.snapshot(engine)
     assert s["num_steps"] == 7 and [x["prefill"] for x in s["steps"]] == [20, 30, 40, 50, 60]
@@ -79,7 +89,7 @@ def test_live_state_keeps_recent_steps_and_windowed_latencies():
     assert s["now"] == {"running": 2, "waiting": 0, "preemptions": 0, "kv_blocks_used": 6, "kv_blocks_total": 100,
                         "kv_usage": 0.06, "t": live.epoch(clock.now)}
     # Between steps (an abort freed blocks): without the engine, the counts the last step left.
-    engine.kv.pool.num_used = 0
+    engine.scheduler.num_kv_blocks_used = 0
     assert live.snapshot()["now"]["kv_blocks_used"] == 6 and live.snapshot(engine)["now"]["kv_blocks_used"] == 0
     assert (s["window"]["prefix_cache_queries"], s["window"]["prefix_cache_hits"]) == (70, 15)
     assert s["window"]["prefix_cache_hit_rate"] == pytest.approx(15 / 70)
@@ -345,7 +355,7 @@ class FakeReplicas:
             live = LiveState(clock=clock)
             for i in range(30 + self.polls):  # a step more each poll
                 step(engine, prefill=40 if i % 5 == 0 else 0, decode=running)
-                engine.scheduler.num_running, engine.kv.pool.num_used = running, 10 * running
+                engine.scheduler.num_running, engine.scheduler.num_kv_blocks_used = running, 10 * running
                 live.on_step(engine, [finished(ttft, [0.02] * 3)] if i % 10 == 0 else [])
                 clock.now += 0.05
             out.append({"replica": name, **live.snapshot(engine), "alive": True, "routed": 7})

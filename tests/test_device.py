@@ -75,7 +75,7 @@ def test_engine_on_device_matches_transformers_and_any_batching(device, tmp_path
     ex = llm.engine.executor
     assert llm.engine.config.device == device and llm.engine.config.dtype == "float32"
     assert ex.kv_caches[0][0].device.type == device and ex.model.embed.device.type == device
-    assert ex.model.cos.device.type == device
+    assert ex.model.ropes[0][0].device.type == device
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert together == ref
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

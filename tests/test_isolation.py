@@ -5,9 +5,10 @@ import pytest
 
 from ferry import SamplingParams
 from ferry.engine.llm_engine import LLMEngine
+from ferry.executor.base import Executor
 
 
-class PoisonExecutor:
+class PoisonExecutor(Executor):
     """Wraps the model executor; any step holding the poisoned request raises, as a bad value
     that passed validation would."""
 
@@ -65,7 +66,7 @@ def test_a_step_that_fails_only_in_a_large_group_fails_no_one(llm, parity_prompt
     """A fault of the batch, not of a request (say, memory for a large step): every request
     succeeds when retried in smaller groups."""
 
-    class FailsWhenBig:
+    class FailsWhenBig(Executor):
         def __init__(self, inner):
             self.inner = inner
             for name in ("vocab_size", "tokenizer", "eos_token_ids", "num_kv_blocks", "max_model_len"):

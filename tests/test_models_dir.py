@@ -304,7 +304,7 @@ def test_a_memory_budget_evicts_and_a_busy_pool_answers_503_after_the_load_timeo
 
     def pool_of(memory_gb: float) -> ModelPool:
         pool = ModelPool([ModelEntry(n, config(n)) for n in NAMES],
-                         PoolSettings(max_loaded=None, memory_gb=memory_gb, load_timeout_s=1.0),
+                         PoolSettings(max_loaded=None, memory_gb=memory_gb, load_timeout_s=3.0),
                          build=lambda cfg: StandIn())
         pool.attach(ServerContext(None, ""))
         return pool

@@ -3,17 +3,14 @@ batched products equal transformers' block when experts get no token, one, or ma
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ferry.model.llama import LayerWeights, moe, route
+from ferry.model.layers.experts import RoutedExperts, route
 from tests.arch_models import make_model
 
 
-def _ferry_layer(block) -> LayerWeights:
+def _ferry_layer(block, top_k: int, renorm: bool) -> RoutedExperts:
     ex = block.experts
-    return LayerWeights(input_norm=None, qkv=None, qkv_bias=None, o_proj=None, post_norm=None, gate_up=None,
-                        down=None, router=block.gate.weight.detach(), experts_gate_up=ex.gate_up_proj.detach(),
-                        experts_down=ex.down_proj.detach())
+    return RoutedExperts(block.gate.weight.detach(), ex.gate_up_proj.detach(), ex.down_proj.detach(), top_k, renorm)
 
 
 def test_routing_chooses_the_experts_transformers_chooses(tmp_path):
@@ -42,12 +39,12 @@ def test_experts_with_no_token_one_token_and_many_match_transformers(tmp_path):
     with torch.no_grad():
         block.gate.weight.copy_(router)
         ref = block(h[None])[0]
-    layer = _ferry_layer(block)
+    layer = _ferry_layer(block, 2, True)
     _, chosen = route(h, layer.router, 2, True)
     counts = torch.bincount(chosen.flatten(), minlength=n_exp).tolist()
     assert counts[5] == 1 and counts[0] == 8 and counts[2] == 9 and counts.count(0) == 5
     with torch.no_grad():
-        got = moe(h, layer, 2, True, F.silu)
+        got = layer.forward(h)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -13,7 +13,7 @@ from ferry.core.block_pool import BlockPool
 from ferry.core.kv_cache_manager import KVCacheManager, hash_block
 from ferry.core.request import Request
 from ferry.core.sampling_params import SamplingParams
-from ferry.engine.clock import ManualClock
+from ferry.core.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
 from tests.fakes import FakeExecutor
 

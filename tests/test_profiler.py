@@ -33,12 +33,13 @@ def test_parts_add_up_to_the_step():
 
 def test_engine_profile_names_every_part(llm):
     engine = llm.engine
-    prof = engine.enable_profiling()
+    prof = StepProfiler()
+    engine.attach_profiler(prof)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         llm.generate([[1] * 40, [2] * 60], sp, use_tqdm=False)
     finally:
-        engine.enable_profiling(False)
+        engine.attach_profiler(None)
     assert engine.executor.model.profiler is None
     shapes = prof.to_dict()
     assert set(shapes) == {"prefill T=64-127", "decode B=2-3"}

@@ -2,6 +2,8 @@
 weights dequantize bit for bit as the gguf library does, and unsupported types are refused."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -9,13 +11,11 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import ACTIVATION_MODES, KERNEL_ROWS, Q8_ISAS, QUANT_TYPES, QuantWeight, RowStack, cat_rows, \
-    check_kernel_types, dequantize, load_gguf_weights, q8_isa, quant_linear, repack
+    check_kernel_types, dequantize, load_gguf_weights, pack_rows16, q8_isa, quant_linear, repack
 
-# Where each type's float16 scales sit in its block (ggml's block layouts): random bytes elsewhere
-# are valid quants and sub-scales, random bytes here could be NaN.
-F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4), "Q8_0": (0, 2), "Q2_K": (80, 84),
-              "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2),
-              "IQ4_XS": (0, 2)}
+# Where each type's float16 scales sit in its block (the type table's d and min): random bytes
+# elsewhere are valid quants and sub-scales, random bytes here could be NaN.
+F16_FIELDS = {name: t.float16_fields for name, t in QUANT_TYPES.items()}
 # Shapes (N, K) per type: K whole blocks, N not a multiple of the kernels' register blocks.
 SHAPES = {t: [(1, 32), (5, 96), (37, 576)] if q.block == 32 else [(1, 256), (37, 768)] for t, q in QUANT_TYPES.items()}
 CASES = [(t, n, k) for t in sorted(SHAPES) for n, k in SHAPES[t]]
@@ -49,8 +49,17 @@ def test_the_type_table_is_gguf_s_and_the_kernels_own(monkeypatch):
     for name, t in QUANT_TYPES.items():
         assert (t.kernel_id, (t.block, t.nbytes)) == (gguf_type(name).value, GGML_QUANT_SIZES[gguf_type(name)])
     check_kernel_types(load_kernels())
-    monkeypatch.setitem(QUANT_TYPES, "Q6_K", QUANT_TYPES["Q6_K"].__class__("Q6_K", 14, 256, 208))
+    monkeypatch.setitem(QUANT_TYPES, "Q6_K", replace(QUANT_TYPES["Q6_K"], nbytes=208))
     with pytest.raises(RuntimeError, match="quant_types.h"):
+        check_kernel_types(load_kernels())
+
+
+@pytest.mark.parametrize("field,value", [("group", 32), ("offset", True), ("shift", 0), ("d_at", 206)])
+def test_every_trait_of_the_type_table_is_checked_against_the_kernels(monkeypatch, field, value):
+    """The facts the kernels read per type (scale group, offset, level shift, where d sits) are one
+    row of kernels/quant_types.h: a Python row that differs in any of them is refused, naming it."""
+    monkeypatch.setitem(QUANT_TYPES, "Q6_K", replace(QUANT_TYPES["Q6_K"], **{field: value}))
+    with pytest.raises(RuntimeError, match=r"quant_types.h differs .*'Q6_K'"):
         check_kernel_types(load_kernels())
 
 
@@ -169,13 +178,13 @@ def test_quantized_and_float_engines_agree(exact_llm, parity_prompts):
     float32 model: the same greedy tokens on the parity prompts."""
     from ferry import LLM, SamplingParams
 
-    assert exact_llm.engine.config.quantization is None and isinstance(exact_llm.engine.executor.model.layers[0].qkv, QuantWeight)
+    assert exact_llm.engine.config.quantization is None and isinstance(exact_llm.engine.executor.model.layers[0].mixer.qkv, QuantWeight)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     # Both compute every prompt from scratch: KV cached by earlier tests came from other batch
     # shapes, a few ulps apart, enough to flip a near-tie between the two models.
     exact_llm.engine.reset_prefix_cache()
     floats = LLM(quantization="none")
-    assert isinstance(floats.engine.executor.model.layers[0].qkv, torch.Tensor)
+    assert isinstance(floats.engine.executor.model.layers[0].mixer.qkv, torch.Tensor)
     a = [o.outputs[0].token_ids for o in exact_llm.generate(parity_prompts, sp, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in floats.generate(parity_prompts, sp, use_tqdm=False)]
     assert a == b
@@ -289,7 +298,7 @@ def test_a_mixed_file_generates_as_its_dequantized_copy(tmp_path, monkeypatch, p
     write_mixed_gguf(path)
     quant = LLM(model=str(path), quant_activations="exact")
     layers = quant.engine.executor.model.layers
-    kinds = [(l.qkv.qtype, l.o_proj.qtype, l.gate_up.qtype, l.down.qtype) for l in layers]
+    kinds = [(l.mixer.qkv.qtype, l.mixer.o_proj.qtype, l.mlp.gate_up.qtype, l.mlp.down.qtype) for l in layers]
     def stacked(*types: str) -> str:
         return "+".join(t for i, t in enumerate(types) if i == 0 or t != types[i - 1])
     assert kinds == [(stacked(m["attn_q"], m["attn_k"], m["attn_v"]), m["attn_output"],
@@ -383,6 +392,7 @@ def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
         raw[row, :, lo:hi] = scales
     w = repack(raw.reshape(n, -1), qtype, (n, k))
     w.activations = "q8"
+    p = pack_rows16(w)  # the layout a model's q8 weights run in
     # One row, a decode batch's rows (R = 4 rows a pass and a tail) and a prefill chunk's; rows of
     # +127 and -127 levels against the extreme weights, and one of tiny values.
     xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(2)) for m in (1, 9, 40)]
@@ -393,24 +403,26 @@ def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
     for isa in each_q8_isa(Q8_ISAS[1:]):
         ran.append(isa)
         for x, ref in zip(xs, refs):
-            assert torch.equal(quant_linear(x, w), ref), (isa, x.shape[0])
+            assert torch.equal(quant_linear(x, p), ref), (isa, x.shape[0])
     assert "avx2" in ran or not torch.backends.cpu.get_cpu_capability().startswith("AVX")
 
 
 @pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
 def test_a_q8_row_gets_the_same_bits_in_any_batch(qtype):
-    """q8 products make each output lane by lane in one order (kernels/quant_q8_tiles.c), so a row's
+    """q8 products make each output lane by lane in one order (kernels/quant_q8.c), so a row's
     result is the same bits alone (a decode of one request), among a decode batch's rows or in a
-    prefill chunk, wherever it sits in the tile of weight rows and the pass of activation rows."""
+    prefill chunk, wherever it sits in the group of weight rows and the pass of activation rows."""
     n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
     w = repack(random_gguf_rows(qtype, n, k, seed=7), qtype, (n, k))
     w.activations = "q8"
+    p = pack_rows16(w)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
-    whole = quant_linear(x, w)
+    whole = quant_linear(x, p)
     for lo, hi in ((0, 1), (0, 2), (0, 5), (3, 12), (57, 58), (20, 53)):
-        assert torch.equal(quant_linear(x[lo:hi], w), whole[lo:hi]), (lo, hi)
+        assert torch.equal(quant_linear(x[lo:hi], p), whole[lo:hi]), (lo, hi)
     rows = torch.tensor([5, 30, 1, 17])
-    assert torch.equal(quant_linear(w=w.__class__(w.data[rows].contiguous(), w.qtype, (4, k), "q8"), x=x), whole[:, rows])
+    some = pack_rows16(QuantWeight(w.data[rows].contiguous(), w.qtype, (4, k), "q8"))
+    assert torch.equal(quant_linear(x, some), whole[:, rows])
 
 
 def test_a_q8_engine_stays_close_to_the_exact_one(exact_llm, llm, parity_prompts):
@@ -421,8 +433,8 @@ def test_a_q8_engine_stays_close_to_the_exact_one(exact_llm, llm, parity_prompts
     from ferry.bench.accuracy import compare
 
     q8 = llm
-    assert q8.engine.config.quant_activations == "q8" and q8.engine.executor.model.layers[0].qkv.activations == "q8"
-    assert exact_llm.engine.executor.model.layers[0].qkv.activations == "exact"
+    assert q8.engine.config.quant_activations == "q8" and q8.engine.executor.model.layers[0].mixer.qkv.activations == "q8"
+    assert exact_llm.engine.executor.model.layers[0].mixer.qkv.activations == "exact"
     stats = compare(exact_llm, q8, parity_prompts[:4])
     assert stats["top1_agreement"] > 0.9 and 0 < stats["mean_abs_logprob_diff"] < 0.2, stats
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

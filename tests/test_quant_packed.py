@@ -138,13 +138,15 @@ def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monk
     q8 = LLM(model=str(path), quant_activations="q8")
     model = q8.engine.executor.model
     first, second = model.layers
-    assert [p.packed for p in first.qkv.parts] == [True, True] and first.o_proj.packed and first.gate_up.packed
-    assert first.down.packed and second.down.packed  # Q6_K, Q4_K
-    assert second.qkv.packed and second.o_proj.packed and [p.packed for p in second.gate_up.parts] == [True, True]
+    assert [p.packed for p in first.mixer.qkv.parts] == [True, True] and first.mixer.o_proj.packed
+    assert first.mlp.gate_up.packed and first.mlp.down.packed and second.mlp.down.packed  # Q6_K, Q4_K
+    assert second.mixer.qkv.packed and second.mixer.o_proj.packed
+    assert [p.packed for p in second.mlp.gate_up.parts] == [True, True]
     assert model.lm_head is model.embed and model.embed.packed
     want = run(q8)
     del q8
-    monkeypatch.setattr("ferry.model.llama.packed", lambda w: w)
+    for where in ("ferry.model.decoder", "ferry.model.layers.attention", "ferry.model.layers.mlp"):
+        monkeypatch.setattr(f"{where}.packed", lambda w: w)
     plain = LLM(model=str(path), quant_activations="q8")
-    assert not plain.engine.executor.model.layers[1].o_proj.packed
+    assert not plain.engine.executor.model.layers[1].mixer.o_proj.packed
     assert run(plain) == want

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.model.kernels import load_kernels
-from ferry.model.rope import apply_rope, rope_tables
+from ferry.model.layers.rope import apply_rope, rope_tables
 from ferry.model.row_ops import gated_act_rows, rms_norm_rows, rope_rows_
 
 

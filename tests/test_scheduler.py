@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from ferry.config import EngineConfig
 from ferry.core.request import Request
 from ferry.core.sampling_params import SamplingParams
-from ferry.engine.clock import ManualClock
+from ferry.core.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
 from tests.fakes import FakeExecutor
 

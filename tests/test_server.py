@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from ferry import SamplingParams
+from ferry.executor.base import Executor
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -315,7 +316,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0():
 
 
 # ---------------------------------------------------------------- a failing step, in process
-class FailOnToken:
+class FailOnToken(Executor):
     """Wraps the model executor; a step that holds token id 13 raises, as a model bug would."""
 
     def __init__(self, inner) -> None:

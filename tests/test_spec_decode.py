@@ -14,7 +14,7 @@ from ferry.config import EngineConfig, SpeculativeConfig
 from ferry.core.ngram import propose_ngram
 from ferry.core.outputs import ScheduledChunk
 from ferry.core.sampling_params import SamplingParams
-from ferry.engine.clock import ManualClock
+from ferry.core.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
 from ferry.executor.request_state import CachedRequest
 from ferry.executor.sampler import Sampler, verify

@@ -4,7 +4,6 @@ the engine with an error that names it, never a hang."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 import re
 import signal
 import time
@@ -60,11 +59,15 @@ def test_shard_plan_covers_every_head_column_and_row_once(heads, kv, world):
 def test_experts_are_cut_on_k_quant_super_blocks_where_they_can_be():
     """Qwen3-30B-A3B's experts (768 columns) split on 256-weight blocks over 2 ranks, so their
     K-quant down projections stay quantized; 96 columns split on 32."""
-    base = ModelConfig("Qwen3MoeForCausalLM", 1000, 2048, 6144, 2, 32, 4, 128, 1e-6, 1e6, None, 4096, False, False, [],
-                       num_experts=8, experts_per_token=2, moe_intermediate_size=768)
-    cuts = [ShardPlan.make(base, r, 2).experts for r in range(2)]
+    def moe(intermediate: int) -> ModelConfig:
+        return ModelConfig.from_dict({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 2048,
+                                      "intermediate_size": 6144, "num_hidden_layers": 2, "num_attention_heads": 32,
+                                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 8,
+                                      "num_experts_per_tok": 2, "moe_intermediate_size": intermediate})
+
+    cuts = [ShardPlan.make(moe(768), r, 2).experts for r in range(2)]
     assert cuts == [(0, 512), (512, 768)] and all(a % 256 == 0 for a, _ in cuts)
-    small = ShardPlan.make(replace(base, moe_intermediate_size=96), 1, 2).experts
+    small = ShardPlan.make(moe(96), 1, 2).experts
     assert small[0] % 32 == 0 and small[1] == 96
 
 

@@ -143,7 +143,7 @@ def run_batching_report(base: EngineConfig, out_dir: str | Path, quick: bool = F
     factory = factory or EngineFactory()
     rep = Report(out_dir, plots)
     probe = factory.engine(base)
-    vocab = getattr(probe.executor, "vocab_size", 32000)
+    vocab = probe.executor.vocab_size or 32000
 
     def run(config: EngineConfig, reqs: list[WorkloadRequest], label: str) -> BenchRun:
         return run_workload(factory.engine(config), reqs, label=label, progress=progress)

@@ -77,10 +77,11 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
     from ferry.bench.plots import plot_cdfs, plot_run
     from ferry.bench.runner import EngineFactory, run_workload
     from ferry.bench.workload import with_request_rate
+    from ferry.engine.profiler import StepProfiler
 
     online = args.bench_command != "offline"
     engine = (factory or EngineFactory()).engine(config)
-    reqs = workload_from_args(args, getattr(engine.executor, "vocab_size", 32000))
+    reqs = workload_from_args(args, engine.executor.vocab_size or 32000)
     rate = args.request_rate if online else float("inf")
     if online and rate is None and not any(r.arrival_time for r in reqs):
         print("note: the workload has no arrival_time and no --request-rate was given: all arrive at once")
@@ -89,7 +90,9 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
           f"{sum(r.max_tokens for r in reqs)} output tokens; scheduler={config.scheduler}, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")
     label = f"{config.scheduler}" + (f", rate={args.request_rate:g}" if online and args.request_rate else "")
-    profiler = engine.enable_profiling() if getattr(args, "profile", False) else None  # sim: no --profile
+    profiler = StepProfiler() if getattr(args, "profile", False) else None  # sim: no --profile
+    if profiler is not None:
+        engine.attach_profiler(profiler)
     runs = []
     for i in range(args.num_runs):
         run = run_workload(engine, reqs, label=label, progress=not args.no_progress,
@@ -130,7 +133,7 @@ def cmd_bench_sweep(args: argparse.Namespace, config: EngineConfig) -> int:
         parse_list("request_rate", args.request_rate, parse_rate)
     factory = EngineFactory()
     engine0 = factory.engine(config)
-    reqs = workload_from_args(args, getattr(engine0.executor, "vocab_size", 32000))
+    reqs = workload_from_args(args, engine0.executor.vocab_size or 32000)
     runs, skipped = run_sweep(config, reqs, grid, rates, args.seed, factory, progress=not args.no_progress)
     points = [r.to_dict() for r in runs]
     best = best_under_slo(points, slo) if slo else None

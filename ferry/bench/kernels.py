@@ -23,7 +23,9 @@ SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 
 
 def _weights(name: str, layers: list[Any], lm_head: Any) -> list[Any]:
-    return [lm_head] if name == "lm_head" else [getattr(layer, name) for layer in layers]
+    if name == "lm_head":
+        return [lm_head]
+    return [getattr(layer.mixer if name in ("qkv", "o_proj") else layer.mlp, name) for layer in layers]
 
 
 def _time(fn: Callable[[], Any], reps: int) -> float:
@@ -69,7 +71,7 @@ def bench_kernels(model: Any, rows: list[int], reps: int = 5) -> dict[str, Any]:
 
     numpy's products run last, all of them: OpenBLAS's threads keep spinning for a while after
     each call, and would slow whatever runs next on the two cores."""
-    from ferry.model.llama import skinny_linear
+    from ferry.model.layers.linear import skinny_linear
 
     bounds = machine_bounds(torch.get_num_threads())
     results: dict[tuple[str, int], dict[str, Any]] = {}

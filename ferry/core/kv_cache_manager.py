@@ -111,11 +111,14 @@ class KVCacheManager:
         table.extend(new)
         return new
 
-    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one admitted request's cache lookup (``ferry:prefix_cache_*`` metrics)."""
-        if self.enable_caching:
-            self.num_queried_tokens += request.num_tokens
-            self.num_hit_tokens += num_hit_tokens
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> tuple[int, int]:
+        """Count one admitted request's cache lookup; returns what it counted (prompt tokens looked
+        up, of them found), both 0 without caching: the step's statistics add them up."""
+        if not self.enable_caching:
+            return 0, 0
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+        return request.num_tokens, num_hit_tokens
 
     def cache_blocks(self, request: Request) -> None:
         """Register ``request``'s full blocks whose KV is now computed (after a successful step)."""

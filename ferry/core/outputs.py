@@ -32,9 +32,14 @@ class ScheduledChunk:
     again from empty). ``samples`` is true when the chunk reaches the end of the request's
     known tokens, so the step yields its next token. ``spec_token_ids`` are draft tokens: the
     chunk's last ``len(spec_token_ids)`` tokens, which the step verifies (each verified row
-    samples). ``decode`` marks the one-token-per-step phase (a verify included). A padding
-    chunk (static batching) recomputes a finished request's last token: real work, result
-    discarded, counted only in statistics.
+    samples). A padding chunk (static batching) recomputes a finished request's last token:
+    real work, result discarded, counted only in statistics.
+
+    ``decode`` is the one definition of a decode: the chunk runs as one-token query rows over
+    context already in the cache (one token, or a verify chunk's ``1 + k``, each its own row).
+    The executor packs these rows first; a step of nothing else is a decode step
+    (``SchedulerOutput.is_decode_step``: the model's fused path, the profile's "decode" shapes);
+    the step's statistics count their tokens as decode tokens.
     """
 
     request_id: str
@@ -42,9 +47,13 @@ class ScheduledChunk:
     num_tokens: int
     new_block_ids: list[int]
     samples: bool
-    decode: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
     padding: bool = False
+    decode: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        # Set once here, not a property: the packer and the step's statistics read it for every chunk.
+        self.decode = self.start > 0 and (self.num_tokens == 1 or bool(self.spec_token_ids))
 
     @property
     def num_sampling_rows(self) -> int:
@@ -83,6 +92,17 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks if c.padding)
 
     @property
+    def num_decode_rows(self) -> int:
+        """Tokens of the decode chunks (``ScheduledChunk.decode``): one query row each."""
+        return sum(c.num_tokens for c in self.chunks if c.decode)
+
+    @property
+    def is_decode_step(self) -> bool:
+        """A step of decode chunks only (``ScheduledChunk.decode``), padding included: every row a
+        one-token query, which the model's fused decode path runs whole."""
+        return all(c.decode for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
@@ -95,7 +115,7 @@ class SchedulerOutput:
         Read by the simulated executor and the step's statistics."""
         chunks: list[tuple[int, int]] = []
         for c in self.chunks:
-            if c.spec_token_ids and c.start > 0:
+            if c.spec_token_ids and c.decode:
                 chunks.extend([(1, c.start + i) for i in range(c.num_tokens)])
             else:
                 chunks.append((c.num_tokens, c.start))

@@ -18,11 +18,13 @@ from collections import Counter
 from typing import Callable
 
 from ferry.config import EngineConfig
+from ferry.core.admission import resolve_max_tokens
 from ferry.core.kv_cache_manager import KVCacheManager, blocks_for
 from ferry.core.ngram import propose_ngram
 from ferry.core.outputs import ModelRunnerOutput, NewRequest, ScheduledChunk, SchedulerOutput
 from ferry.core.queues import make_queue, priority_key
 from ferry.core.request import Request, RequestStatus
+from ferry.core.stats import SchedulerState, SchedulerStats
 
 
 class Scheduler:
@@ -47,35 +49,18 @@ class Scheduler:
         self.num_drafts = 0  # verify steps with drafts, summed over requests
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self._stats = SchedulerStats()  # what the step in progress did, for take_stats
         self._finished_since_last_step: list[str] = []
         self._in_flight: dict[str, Request] = {}  # the requests of the step being run
         self._seq = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
-        """Queue ``req``, or raise ValueError if it could never be served."""
+        """Queue ``req``, admitted already (``ferry.core.admission``: it fits max_model_len and the
+        cache). Raises ValueError only for a request id in use."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        n_prompt = req.num_prompt_tokens
-        if n_prompt == 0:
-            raise ValueError("prompt is empty: a request needs at least one prompt token")
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n_prompt
-            if max_tokens < 1:
-                raise ValueError(f"prompt has {n_prompt} tokens, which leaves no room to generate "
-                                 f"within max_model_len ({self.max_model_len})")
-        total = n_prompt + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
-                f"more than max_model_len ({self.max_model_len})")
-        need_blocks = blocks_for(total, self.kv.block_size)
-        if need_blocks > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) needs {need_blocks} KV blocks "
-                f"of {self.kv.block_size} tokens, more than the whole cache ({self.kv.num_blocks} blocks)")
-        req.max_tokens = max_tokens
+        req.max_tokens = resolve_max_tokens(req.sampling_params, req.num_prompt_tokens, self.max_model_len)
         req.seq = self._seq
         self._seq += 1
         req.status = RequestStatus.WAITING
@@ -113,6 +98,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def state(self) -> SchedulerState:
+        """The load right now (between steps too: requests come and go, aborts free blocks)."""
+        used = self.kv.pool.num_used
+        return SchedulerState(len(self.running), len(self.waiting), used, self.kv.num_blocks, self.num_preemptions)
+
+    def take_stats(self) -> SchedulerStats:
+        """What the scheduler did since the last call: once per step, after ``update_from_output``."""
+        stats, self._stats = self._stats, SchedulerStats()
+        return stats
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -181,8 +176,7 @@ class Scheduler:
             drafts = req.spec_token_ids
             # An embedding request samples nothing: its prompt's end ends it.
             samples = end >= len(req.all_token_ids) and req.sampling_params.pooling is None
-            chunks.append(ScheduledChunk(rid, start, num, new_block_ids, samples,
-                                         start >= len(req.prompt_token_ids) and num == 1 + len(drafts), drafts))
+            chunks.append(ScheduledChunk(rid, start, num, new_block_ids, samples, drafts))
 
     def _board_waiting(self, out: SchedulerOutput, scheduled: dict[str, int], budget: int) -> None:
         """Board waiting requests in queue order while budget, sequence slots and blocks last.
@@ -249,7 +243,9 @@ class Scheduler:
                 and self.kv.allocate_slots(req, num, cached) is not None)
 
     def _admit(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
-        self.kv.record_lookup(req, num_cached)
+        queried, hits = self.kv.record_lookup(req, num_cached)
+        self._stats.num_prefix_queried_tokens += queried
+        self._stats.num_prefix_hit_tokens += hits
         req.num_computed_tokens = num_cached
         self.waiting.pop()
         if req.times.first_scheduled is None:
@@ -336,6 +332,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self._stats.num_preempted += 1
         self.waiting.prepend(req)
 
     def _take_finished(self) -> list[str]:
@@ -355,7 +352,7 @@ class Scheduler:
         """
         now = self.clock()
         changed: list[Request] = []
-        errors, in_flight = result.errors, self._in_flight
+        errors, in_flight, stats = result.errors, self._in_flight, self._stats
         for chunk in out.chunks:
             rid = chunk.request_id
             req = in_flight.get(rid)
@@ -379,6 +376,9 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(chunk.spec_token_ids)
                 self.num_accepted_tokens += accepted
+                stats.num_drafts += 1
+                stats.num_draft_tokens += len(chunk.spec_token_ids)
+                stats.num_accepted_tokens += accepted
             if req.spec_token_ids:
                 req.spec_token_ids = []
             status = None

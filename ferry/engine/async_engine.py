@@ -11,15 +11,13 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
+from ferry.core.admission import Admitted
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.live_state import LiveState
 from ferry.engine.llm_engine import LLMEngine
 from ferry.engine.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from ferry.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 LIVE_LOCK_WAIT_S = 0.1  # how long a dashboard snapshot waits for the step in progress
@@ -30,6 +28,17 @@ def check_queueable(num_sequences: int, max_waiting_requests: int | None) -> Non
     if max_waiting_requests is not None and num_sequences > max_waiting_requests:
         raise ValueError(f"n ({num_sequences} sequences in all, n times the prompts) is more than the server "
                          f"can ever queue (--max-waiting-requests {max_waiting_requests}); send fewer at once")
+
+
+class StepObserver(Protocol):
+    """Watches the step loop (Prometheus metrics, the dashboard's state): attached by whoever
+    builds the engine (``AsyncEngine.attach``), called in the step-loop thread under the engine lock."""
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """A step ran (``engine.last_step``: its record, None if it scheduled nothing); ``outputs`` are its outputs."""
+
+    def on_abort(self, n: int) -> None:
+        """``n`` requests were aborted by their clients: they leave without a step output."""
 
 
 class EngineOverloaded(Exception):
@@ -90,18 +99,16 @@ class AsyncEngine:
     """Runs ``engine.step()`` in a background thread while requests come and go."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting_requests: int | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[int], None] | None = None) -> None:
+                 observers: Sequence[StepObserver] = ()) -> None:
         """``engine`` is an engine, or a function that builds one: it is then built inside the
         step-loop thread, so that every torch call happens in that one OS thread (a second
         thread's OpenMP team makes small ops several times slower)."""
         self.max_waiting_requests = max_waiting_requests
-        self.on_step = on_step
-        self.on_abort = on_abort
-        # The dashboard's recent history and the Prometheus metrics, fed after every step once
-        # someone asks for them (``observe``: the server does).
-        self.live = LiveState()
-        self.metrics: ServerMetrics | None = None
+        # Fed after every step: what the server attaches (``attach``), nothing of the engine's own.
+        self.observers: list[StepObserver] = []
+        self.live: LiveState | None = None  # the dashboard's state, once attached
+        for observer in observers:
+            self.attach(observer)
         self._live_pool: ThreadPoolExecutor | None = None
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -145,27 +152,12 @@ class AsyncEngine:
         """Raise ValueError when ``chars`` characters must be more tokens than max_model_len."""
         self.engine.check_text_length(chars, what)
 
-    def observe(self, model_name: str, replica: str | None = None) -> None:
-        """Keep Prometheus metrics (labelled ``replica`` when given) and the dashboard's state
-        from every step on."""
-        from ferry.server.metrics import ServerMetrics
-
-        metrics = self.metrics = ServerMetrics(self.engine, model_name, replica)
-        live = self.live
-
-        def on_step(engine: LLMEngine, outputs: list[RequestOutput]) -> None:  # the engine's one hook
-            metrics.on_step(engine, outputs)
-            live.on_step(engine, outputs)
-
-        self.on_step = on_step
-        self.on_abort = metrics.on_abort
-
-    async def prometheus(self) -> bytes:
-        """The metrics in Prometheus' text format (``observe`` first)."""
-        from prometheus_client import generate_latest
-
-        assert self.metrics is not None
-        return generate_latest(self.metrics.registry)
+    def attach(self, observer: StepObserver) -> None:
+        """Feed ``observer`` every step from now on (attach before ``start``). A ``LiveState`` also
+        answers ``live_state``, the dashboard's."""
+        self.observers.append(observer)
+        if isinstance(observer, LiveState) and self.live is None:
+            self.live = observer
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -191,8 +183,8 @@ class AsyncEngine:
         self.draining = True
         with self.lock:
             outputs = [self.engine.abort(rid) for rid in list(self.engine.scheduler.requests)]
-            if outputs and self.on_abort is not None:
-                self.on_abort(len(outputs))
+            if outputs:
+                self._aborted(len(outputs))
         if outputs and self.loop is not None:
             self.loop.call_soon_threadsafe(self._deliver, outputs)
         self.wake.set()
@@ -208,16 +200,21 @@ class AsyncEngine:
 
     async def live_state(self) -> list[dict]:
         """The live dashboard's state: one snapshot per replica (one here), each with a
-        ``"replica"`` key, taken in a worker thread. Its counts are read between two steps under
-        the engine lock; while a step holds it past ``LIVE_LOCK_WAIT_S`` they are those the last
-        step left (a cold prefill step takes seconds, and the lock is not first-come first-served)."""
+        ``"replica"`` key, taken in a worker thread; none before a ``LiveState`` is attached. Its
+        counts are read between two steps under the engine lock; while a step holds it past
+        ``LIVE_LOCK_WAIT_S`` they are those the last step left (a cold prefill step takes seconds,
+        and the lock is not first-come first-served)."""
+        live = self.live
+        if live is None:
+            return []
+
         def take() -> dict:
             if self.lock.acquire(timeout=LIVE_LOCK_WAIT_S):
                 try:
-                    self.live.refresh(self.engine)
+                    live.refresh(self.engine)
                 finally:
                     self.lock.release()
-            return {"replica": "0", **self.live.snapshot()}
+            return {"replica": "0", **live.snapshot()}
 
         # A thread of its own, not asyncio.to_thread's pool: submits wait there for the engine lock,
         # and a burst of them would hold the dashboard up for as many steps.
@@ -242,7 +239,7 @@ class AsyncEngine:
     async def _grammars_compiled(self, subs: list[SubRequest]) -> None:
         """Wait for the grammars of these requests to compile, on the compiler's own threads: no
         worker thread is held meanwhile, so requests without one are never queued behind it."""
-        grammars = getattr(self.engine.executor, "grammars", None)
+        grammars = self.engine.executor.grammars
         if grammars is None:
             return
         from ferry.executor.structured import await_compiled
@@ -258,12 +255,12 @@ class AsyncEngine:
         check_queueable(len(subs), limit)
         engine = self.engine
         token_ids: dict[int, list[int]] = {}  # by prompt object: n copies share one tokenization
-        grammars: list[Any] = []  # compiled here, outside the lock, and held by each request
+        admitted: list[Admitted] = []  # checked here, outside the lock, once each (grammars compiled)
         for sub in subs:
             if id(sub.prompt) not in token_ids:
                 token_ids[id(sub.prompt)] = sub.token_ids if sub.token_ids is not None else \
-                    engine.tokenize(sub.prompt) if isinstance(sub.prompt, str) else list(sub.prompt)
-            grammars.append(engine.check_request(token_ids[id(sub.prompt)], sub.params))
+                    engine.tokenize(sub.prompt) if isinstance(sub.prompt, str) else sub.prompt
+            admitted.append(engine.admit(token_ids[id(sub.prompt)], sub.params))
         with self.lock:
             sched = engine.scheduler
             if limit is not None and sched.num_waiting + len(subs) > limit:
@@ -274,10 +271,9 @@ class AsyncEngine:
             stream = Stream(self, ids)
             added: list[str] = []
             try:
-                for rid, sub, grammar in zip(ids, subs, grammars):
-                    engine.add_request(token_ids[id(sub.prompt)], sub.params, request_id=rid,
-                                       priority=sub.priority, grammar=grammar,
-                                       prompt_text=sub.prompt if isinstance(sub.prompt, str) else None)
+                for rid, sub, ok in zip(ids, subs, admitted):
+                    engine.add_admitted(ok, request_id=rid, priority=sub.priority,
+                                        prompt_text=sub.prompt if isinstance(sub.prompt, str) else None)
                     added.append(rid)
             except Exception:
                 for rid in added:
@@ -293,8 +289,8 @@ class AsyncEngine:
             aborted = [rid for rid in request_ids if rid in self.engine.scheduler.requests]
             for rid in aborted:
                 self.engine.abort(rid)
-            if aborted and self.on_abort is not None:
-                self.on_abort(len(aborted))
+            if aborted:
+                self._aborted(len(aborted))
         self.wake.set()
 
     # ------------------------------------------------------------------ the step loop
@@ -304,8 +300,9 @@ class AsyncEngine:
                 with self.lock:
                     busy = self.engine.has_unfinished()
                     outputs = self.engine.step() if busy else []
-                    if self.on_step is not None and busy:
-                        self.on_step(self.engine, outputs)
+                    if busy:
+                        for observer in self.observers:
+                            observer.on_step(self.engine, outputs)
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)  # type: ignore[union-attr]
                 if not busy:
@@ -315,6 +312,10 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.error = e
             self.loop.call_soon_threadsafe(self._fail_all, e)  # type: ignore[union-attr]
+
+    def _aborted(self, n: int) -> None:
+        for observer in self.observers:
+            observer.on_abort(n)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -1,9 +1,10 @@
 """What the scheduler is doing right now, for the live dashboard (``GET /dashboard/state``).
 
-Fed after every step from the engine thread, under the engine lock (the hook ``ServerMetrics``
-uses). It keeps a bounded history only, so a server can run for ever. It has a small lock of its
-own, so a snapshot never has to wait for a step: a cold prefill step can take seconds, and the
-dashboard should go on answering meanwhile. Pure Python: the server imports it without torch.
+Fed after every step from the engine thread, under the engine lock (a step observer the server
+attaches, as it does ``ServerMetrics``), from the step's record and the scheduler's state. It
+keeps a bounded history only, so a server can run for ever. It has a small lock of its own, so a
+snapshot never has to wait for a step: a cold prefill step can take seconds, and the dashboard
+should go on answering meanwhile. Pure Python: the server imports it without torch.
 """
 from __future__ import annotations
 
@@ -61,18 +62,16 @@ class LiveState:
         self._finished: deque[_Finished] = deque(maxlen=FINISHED_KEPT)
         self._tokens: deque[tuple[float, int]] = deque()  # (monotonic time, output tokens of one step)
         self._lookups: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens looked up, hits)
-        self._last_stats: Any = None
-        self._seen_lookups = (0, 0)  # (queried, hits) of the engine at the last step
 
     def epoch(self, t: float) -> float:
         """Epoch seconds of monotonic time ``t`` (of ``clock``)."""
         return round(t + self._epoch_offset, 3)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Record the step that just ran (``engine.step_stats[-1]``) and the requests it finished.
+        """Record the step that just ran (``engine.last_step``) and the requests it finished.
         Call with the engine lock held."""
         now = self.clock()
-        stats = engine.step_stats[-1] if engine.step_stats else None
+        stats = engine.last_step
         tokens, finished = 0, []
         for out in outputs:
             comp = out.outputs[0] if out.outputs else None
@@ -83,9 +82,7 @@ class LiveState:
                 finished.append(_Finished(now, out.metrics.ttft, out.metrics.tpot))
         with self._mutex:
             self._read_now(engine, now)
-            # A step that scheduled nothing records no stats: the last ones are then an older step's.
-            if stats is not None and stats is not self._last_stats:
-                self._last_stats = stats
+            if stats is not None:  # None: the step scheduled nothing
                 self.num_steps += 1
                 n = self._now
                 self.steps.append({
@@ -99,8 +96,12 @@ class LiveState:
             if tokens:
                 self.num_output_tokens += tokens
                 self._tokens.append((now, tokens))
-            self._record_lookups(engine, now)
+            if stats is not None and stats.num_prefix_queried_tokens:
+                self._lookups.append((now, stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens))
             self._expire(now)
+
+    def on_abort(self, n: int) -> None:
+        """Aborts leave no trace here: their freed blocks show at the next ``refresh``."""
 
     def refresh(self, engine: LLMEngine) -> None:
         """Re-read the current counts (requests come and go, and aborts free blocks, between
@@ -109,20 +110,11 @@ class LiveState:
             self._read_now(engine, self.clock())
 
     def _read_now(self, engine: LLMEngine, now: float) -> None:
-        sched = engine.scheduler
-        used, total = engine.kv.pool.num_used, engine.num_kv_blocks
+        state = engine.scheduler.state()
         self._budget = engine.config.max_num_batched_tokens
-        self._now = {"running": sched.num_running, "waiting": sched.num_waiting,
-                     "preemptions": engine.num_preemptions, "kv_blocks_used": used, "kv_blocks_total": total,
-                     "kv_usage": used / total if total else 0.0, "t": self.epoch(now)}
-
-    def _record_lookups(self, engine: LLMEngine, now: float) -> None:
-        seen = (engine.kv.num_queried_tokens, engine.kv.num_hit_tokens)
-        last = self._seen_lookups
-        self._seen_lookups = seen
-        # A reset of the engine's counters starts again from there.
-        if seen[0] > last[0] and seen[1] >= last[1]:
-            self._lookups.append((now, seen[0] - last[0], seen[1] - last[1]))
+        self._now = {"running": state.num_running, "waiting": state.num_waiting,
+                     "preemptions": state.num_preemptions, "kv_blocks_used": state.num_kv_blocks_used,
+                     "kv_blocks_total": state.num_kv_blocks, "kv_usage": state.kv_usage, "t": self.epoch(now)}
 
     def _expire(self, now: float) -> None:
         edge = now - self.window_s

@@ -5,20 +5,22 @@ import logging
 import uuid
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, MutableSequence, Protocol, Sequence
+from typing import Any, Callable, MutableSequence, Sequence
 
 from ferry.config import EngineConfig
+from ferry.core.admission import Admission, Admitted
+from ferry.core.clock import WallClock
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
 from ferry.core.static_scheduler import StaticScheduler
-from ferry.engine.clock import WallClock
 from ferry.engine.output_processor import OutputProcessor
 from ferry.engine.outputs import RequestOutput
-from ferry.engine.profiler import StepProfiler, no_tick, step_shape
+from ferry.engine.profiler import StepProfiler, no_tick, shape_of
 from ferry.engine.step_stats import StepStats
+from ferry.executor.base import Executor
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +43,14 @@ def check_text_length(chars: int, what: str, max_model_len: int, tokenizer: Any)
                          f"({max_model_len}) allows")
 
 
-class Executor(Protocol):
-    """Turns a scheduler output into sampled tokens (a model, a simulator, a fake)."""
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
 class LLMEngine:
     """Adds requests, steps them, aborts them. Everything else builds on these three."""
 
     def __init__(self, config: EngineConfig, executor: Executor, num_kv_blocks: int,
                  tokenizer: Any = None, eos_token_ids: Sequence[int] = (),
                  clock: Callable[[], float] | None = None) -> None:
+        if not isinstance(executor, Executor):
+            raise TypeError(f"{type(executor).__name__} is not an executor: subclass ferry.executor.base.Executor")
         self.config = config
         self.config.check_model_len()
         self.executor = executor
@@ -60,21 +58,26 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock or WallClock()
         # A model whose every layer has a sliding window lets the cache give back what it passed.
-        window = getattr(getattr(executor, "model_config", None), "max_window", None)
         self.kv = KVCacheManager(num_kv_blocks, config.block_size,
                                  enable_caching=config.enable_prefix_caching and config.scheduler == "continuous",
-                                 window=window)
+                                 window=executor.max_window)
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, self.clock)
+        assert config.max_model_len is not None  # the scheduler asserts it too
+        self.admission = Admission(config.max_model_len, config.block_size, self.kv.num_blocks,
+                                   executor.vocab_size, tokenizer is not None, executor.check_sampling_params)
         self.output_processor = OutputProcessor(tokenizer)
         # The latest steps only: an engine may run for ever. A benchmark that wants every step
         # of a run puts a list here first.
         self.step_stats: MutableSequence[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        # The step that just ran, for observers (metrics, the dashboard); None after a step that
+        # scheduled nothing.
+        self.last_step: StepStats | None = None
         self.num_failed_requests = 0
         self.profiler: StepProfiler | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, executor: Any = None) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, executor: Executor | None = None) -> "LLMEngine":
         """Load the model named by ``config`` (or reuse a loaded ``executor``) and build an engine."""
         if executor is None and config.tensor_parallel_size > 1:
             from ferry.executor.tensor_parallel import TensorParallelExecutor
@@ -88,37 +91,47 @@ class LLMEngine:
         # device and dtype "auto" chose.
         if config.max_model_len is None:
             config = replace(config, max_model_len=executor.max_model_len)
-        device, dtype = getattr(executor, "device", None), getattr(executor, "dtype_name", None)
-        if device is not None:
-            config = replace(config, device=device.type, dtype=dtype)
+        if executor.device is not None:
+            config = replace(config, device=executor.device.type, dtype=executor.dtype_name)
+        assert executor.num_kv_blocks is not None, "an executor the engine is sized from sets num_kv_blocks"
         return cls(config, executor, executor.num_kv_blocks, tokenizer=executor.tokenizer,
                    eos_token_ids=executor.eos_token_ids)
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0, prompt_text: str | None = None, grammar: Any = None) -> Request:
+                    priority: int = 0, prompt_text: str | None = None) -> Request:
         """Queue one request; returns its token-level state (the scheduler's). Raises ValueError
         (naming the problem) if it can never be served.
 
-        ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier
-        (a server tokenizes outside the engine's lock, with ``tokenize``), and ``grammar`` what
-        ``check_request`` returned for ``sampling_params`` (a server checks outside it too).
+        ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier.
+        (A server tokenizes and admits outside the engine's lock, with ``tokenize`` and
+        ``admit``, then queues under it with ``add_admitted``.)
         """
         sp = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenize(prompt)
         else:
-            token_ids = list(prompt)
-        grammar = self.check_request(token_ids, sp, grammar)
+            token_ids = prompt
+        return self.add_admitted(self.admit(token_ids, sp), request_id, arrival_time, priority, prompt_text)
+
+    def admit(self, token_ids: Sequence[int], sp: SamplingParams) -> Admitted:
+        """Every check a request must pass (``ferry.core.admission``), run once per request: raises
+        ValueError naming the problem; returns the request admitted, its grammar compiled. Safe
+        to call without holding the engine (it reads only settings): a server admits before queueing."""
+        return self.admission.check(token_ids, sp)
+
+    def add_admitted(self, admitted: Admitted, request_id: str | None = None, arrival_time: float | None = None,
+                     priority: int = 0, prompt_text: str | None = None) -> Request:
+        """Queue a request ``admit`` passed (it is not checked again); returns its token-level state."""
         req = Request(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
-            prompt_token_ids=token_ids, sampling_params=sp,
+            prompt_token_ids=admitted.token_ids, sampling_params=admitted.sampling_params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids, priority=priority)
         self.scheduler.add_request(req)
-        if grammar is not None:
-            self.executor.hold_grammar(req.request_id, grammar)
+        if admitted.grammar is not None:
+            self.executor.hold_grammar(req.request_id, admitted.grammar)
         self.output_processor.add_request(req, prompt_text)
         return req
 
@@ -133,29 +146,6 @@ class LLMEngine:
         """Raise ValueError when ``chars`` characters must be more tokens than max_model_len."""
         assert self.tokenizer is not None and self.config.max_model_len is not None
         check_text_length(chars, what, self.config.max_model_len, self.tokenizer)
-
-    def check_request(self, token_ids: list[int], sp: SamplingParams, grammar: Any = None) -> Any:
-        """Raise ValueError, naming the field, for what no step could serve; returns the request's
-        compiled grammar (or None; ``grammar``, compiled by an earlier check, is not checked
-        again). Safe to call without holding the engine (it reads only settings): a server
-        checks before queueing."""
-        if not token_ids:
-            raise ValueError("prompt is empty: a request needs at least one prompt token")
-        vocab = getattr(self.executor, "vocab_size", None)
-        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if vocab is not None and sp.logit_bias and any(t >= vocab for t in sp.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        room = self.config.max_model_len - len(token_ids)  # set by now: the scheduler asserts it
-        # A prompt that leaves no room at all is refused for its length, later.
-        if 0 < room < sp.min_tokens:
-            raise ValueError(f"min_tokens ({sp.min_tokens}) is more than can ever be generated: the prompt's "
-                             f"{len(token_ids)} tokens leave {room} of max_model_len "
-                             f"({self.config.max_model_len})")
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detect them")
-        check = getattr(self.executor, "check_sampling_params", None)
-        return grammar if grammar is not None or check is None else check(sp)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; its KV blocks return to the pool at once. Returns its last output."""
@@ -177,22 +167,21 @@ class LLMEngine:
         begin = self.clock()
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.last_step = None
             return []
         tick("schedule")
         start = self.clock()
         result = self._execute(out)
-        sched = self.scheduler
-        spec_before = (sched.num_drafts, sched.num_draft_tokens, sched.num_accepted_tokens)
-        changed = sched.update_from_output(out, result)
+        changed = self.scheduler.update_from_output(out, result)
         tick("update")
-        stats = self._record_step(out, start, spec_before)
+        stats = self._record_step(out, start)
         for req, stop in self.output_processor.take(changed, result):
             self._stopped_by_string(req, stop)
         outputs = self.output_processor.outputs(changed, finished_only)
         stats.wall = self.clock() - begin
         if prof is not None:
             tick("outputs")
-            prof.finish(step_shape(stats.num_decode_tokens, stats.num_prefill_tokens + stats.num_padding_tokens))
+            prof.finish(shape_of(out))
         return outputs
 
     def _stopped_by_string(self, req: Request, stop: str) -> None:
@@ -201,14 +190,11 @@ class LLMEngine:
         else:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop)
 
-    def enable_profiling(self, on: bool = True) -> StepProfiler | None:
-        """Time every step by part from now on (``ferry bench --profile``), or stop (``on=False``).
-        Returns the profiler."""
-        self.profiler = StepProfiler() if on else None
-        set_profiler = getattr(self.executor, "set_profiler", None)
-        if set_profiler is not None:
-            set_profiler(self.profiler)
-        return self.profiler
+    def attach_profiler(self, profiler: StepProfiler | None) -> None:
+        """Time every step by part with ``profiler`` from now on (whoever builds the engine makes
+        one: ``ferry bench --profile``); None stops."""
+        self.profiler = profiler
+        self.executor.set_profiler(profiler)
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; if it raises, find the request(s) that make it fail and fail only those.
@@ -253,27 +239,26 @@ class LLMEngine:
         self.num_failed_requests += 1
         return ModelRunnerOutput(errors={rid: f"{type(e).__name__}: {e}"})
 
-    def _record_step(self, out: SchedulerOutput, start: float, spec_before: tuple[int, int, int]) -> StepStats:
+    def _record_step(self, out: SchedulerOutput, start: float) -> StepStats:
         kinds: dict[str, list[str]] = {"prefill": [], "decode": [], "padding": []}
         tokens = dict.fromkeys(kinds, 0)
-        # What the scheduler counted in this step's update.
-        s = self.scheduler
-        drafts, draft_tokens, accepted = (s.num_drafts - spec_before[0], s.num_draft_tokens - spec_before[1],
-                                          s.num_accepted_tokens - spec_before[2])
         for c in out.chunks:
             kind = "padding" if c.padding else "decode" if c.decode else "prefill"
             kinds[kind].append(c.request_id)
             tokens[kind] += c.num_tokens
+        s = self.scheduler.take_stats()  # what the scheduler did in this step
         stats = StepStats(
             start=start, duration=self.clock() - start, num_prefill_tokens=tokens["prefill"],
             num_decode_tokens=tokens["decode"], num_padding_tokens=tokens["padding"],
             num_requests=len(out.chunks), num_kv_blocks_used=out.num_kv_blocks_used,
-            num_preempted=len(out.preempted_req_ids), prefill_ids=tuple(kinds["prefill"]),
+            num_preempted=s.num_preempted, prefill_ids=tuple(kinds["prefill"]),
             decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
-            preempted_ids=tuple(out.preempted_req_ids), num_drafts=drafts, num_draft_tokens=draft_tokens,
-            num_accepted_tokens=accepted)
+            preempted_ids=tuple(out.preempted_req_ids), num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens, num_prefix_queried_tokens=s.num_prefix_queried_tokens,
+            num_prefix_hit_tokens=s.num_prefix_hit_tokens)
         stats.shape, stats.num_sampling_rows = out.cost_shape
         self.step_stats.append(stats)
+        self.last_step = stats
         return stats
 
     @property
@@ -291,9 +276,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what the executor holds outside this process (tensor-parallel ranks)."""
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (benchmarks and tests start cold). Returns the blocks it held."""

@@ -11,12 +11,13 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+from ferry.core.outputs import SchedulerOutput
+from ferry.executor.base import no_tick
+
+__all__ = ["OVERHEAD_PARTS", "StepProfiler", "no_tick", "shape_of", "step_shape"]
+
 # Parts outside the model's forward pass: the CPU overhead the step pays around the model.
 OVERHEAD_PARTS = ("schedule", "pack", "sample", "update", "outputs")
-
-
-def no_tick(part: str) -> None:
-    """The tick of a step that is not profiled."""
 
 
 def _bucket(n: int) -> str:
@@ -34,8 +35,15 @@ def step_shape(num_decodes: int, num_prefill_tokens: int) -> str:
     return f"{kind} T={_bucket(num_decodes + num_prefill_tokens)}"
 
 
+def shape_of(out: SchedulerOutput) -> str:
+    """A step's shape: 'decode' exactly when it is a decode step (``SchedulerOutput.is_decode_step``)."""
+    rows = out.num_decode_rows
+    return step_shape(rows, out.total_num_scheduled_tokens - rows)
+
+
 class StepProfiler:
-    """Sums of time per (step shape, part), and step counts per shape."""
+    """Sums of time per (step shape, part), and step counts per shape. The engine calls ``start``
+    and ``finish``; the executor and its model ``tick`` and ``split`` (``ferry.executor.base.StepTimer``)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock

@@ -57,13 +57,10 @@ def _token_ids(r: CachedRequest, c: ScheduledChunk) -> list[int]:
     return known + c.spec_token_ids if c.spec_token_ids else known
 
 
-def _is_decode(c: ScheduledChunk) -> bool:
-    return c.start > 0 and (c.num_tokens == 1 or bool(c.spec_token_ids))
-
-
 def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -> PackedBatch:
-    decodes = [c for c in chunks if _is_decode(c)]
-    prefills = [c for c in chunks if not _is_decode(c)]
+    # Decode rows first (``ScheduledChunk.decode``): the attention runs them as one-token queries.
+    decodes = [c for c in chunks if c.decode]
+    prefills = [c for c in chunks if not c.decode]
     ordered = decodes + prefills
     reqs = {c.request_id: states[c.request_id] for c in chunks}
 

@@ -11,7 +11,7 @@ import torch
 from ferry.config import EngineConfig
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
-from ferry.engine.profiler import StepProfiler, no_tick
+from ferry.executor.base import Executor, StepTimer, no_tick
 from ferry.executor.batch import PackedBatch, pack
 from ferry.executor.request_state import RequestStates
 from ferry.executor.pooling import pool
@@ -20,7 +20,7 @@ from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, release_freed_memory, resolve_device
 from ferry.model.kv_format import cache_dtype, row_width
-from ferry.model.llama import ForwardOutput, LlamaModel
+from ferry.model.decoder import DecoderModel, ForwardOutput
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
 from ferry.model.quant import QuantWeight
@@ -82,7 +82,7 @@ class ModelSetup:
                    tokenizer, eos_ids)
 
 
-class ModelExecutor:
+class ModelExecutor(Executor):
     """Runs the real model. Resolves the model length (``max_model_len``) and sizes the KV cache.
 
     With ``rank`` and ``collectives`` (a function of the rank's ShardPlan and the vocabulary size
@@ -104,7 +104,7 @@ class ModelExecutor:
         comm = collectives(plan, cfg.vocab_size) if collectives is not None else None
         weights = load_weights(config, cfg, setup.model_dir)
         q8 = any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
-        self.model = LlamaModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
+        self.model = DecoderModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
         del weights
         release_freed_memory()
         self.model_config = cfg
@@ -160,8 +160,8 @@ class ModelExecutor:
         """Keep a queued request's compiled grammar until it ends (the cache may drop it meanwhile)."""
         self.grammars.hold(request_id, compiled)
 
-    def set_profiler(self, profiler: StepProfiler | None) -> None:
-        """Report the parts of each step to ``profiler`` (``LLMEngine.enable_profiling``)."""
+    def set_profiler(self, profiler: StepTimer | None) -> None:
+        """Report the parts of each step to ``profiler`` (``LLMEngine.attach_profiler``)."""
         self.tick = no_tick if profiler is None else profiler.tick
         self.model.profiler = profiler
 

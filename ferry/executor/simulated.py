@@ -9,14 +9,30 @@ step costs its ``1 + k`` tokens whatever is accepted).
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Iterable, Protocol
 
+from ferry.core.clock import ManualClock
 from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
-from ferry.engine.clock import ManualClock
-from ferry.sim.cost_model import CostModel
+from ferry.executor.base import Executor
+
+if TYPE_CHECKING:
+    from ferry.model.config import ModelConfig
 
 
-class SimulatedExecutor:
-    def __init__(self, cost: CostModel, clock: ManualClock, acceptance_rate: float = 0.5, seed: int = 0) -> None:
+class StepCost(Protocol):
+    """How long a step takes, from its composition (the simulator's ``CostModel``)."""
+
+    model: ModelConfig
+
+    def step_time(self, chunks: Iterable[tuple[int, int]], num_sampling: int) -> float:
+        """Seconds for one step of these (num_tokens, start) chunks, ``num_sampling`` rows sampling."""
+        ...
+
+
+class SimulatedExecutor(Executor):
+    """Moves ``clock`` by each step's modelled time and samples 0s."""
+
+    def __init__(self, cost: StepCost, clock: ManualClock, acceptance_rate: float = 0.5, seed: int = 0) -> None:
         self.cost = cost
         self.clock = clock
         self.vocab_size = cost.model.vocab_size

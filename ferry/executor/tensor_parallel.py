@@ -31,6 +31,7 @@ from typing import Any
 from ferry.config import EngineConfig
 from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
+from ferry.executor.base import Executor
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(Executor):
     """The driver's side: starts ``config.tensor_parallel_size`` rank processes, ships each
     step's scheduler output to them, returns rank 0's sampled tokens. Same interface as
-    ModelExecutor (the engine cannot tell them apart)."""
+    ModelExecutor (the engine cannot tell them apart), less the step profile (``set_profiler`` is
+    the base's, which times nothing)."""
 
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp

@@ -133,13 +133,17 @@ def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def prefill_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> bool:
     """Every prefill chunk's rows of ``out`` by the C kernel, which reads K/V in place through the
-    chunks' slots (theirs already written); False when it does not take this head size."""
+    chunks' slots (theirs already written); False when it does not take this head size. Raises
+    MemoryError when the kernel cannot allocate its buffers."""
     slots, spans = meta.prefill_slots()
     Hq, D = q.shape[1], q.shape[2]
-    return bool(load_kernels().paged_prefill_attention(
+    served = load_kernels().paged_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), spans.data_ptr(),
         spans.shape[0], out.data_ptr(), Hq, k_cache.shape[1], D, ctypes.c_float(scale), window or 0,
-        KV_KINDS[k_cache.dtype]))
+        KV_KINDS[k_cache.dtype])
+    if served < 0:
+        raise MemoryError("the prefill attention kernel could not allocate its buffers")
+    return bool(served)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ferry.model.arch import ARCHITECTURES, find
+from ferry.model.arch import ARCHITECTURES, Architecture, find
+from ferry.model.arch.parts import AttentionSpec, ExpertsSpec, LayerSpec, MLPSpec, hidden_act, llama_layers
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "freq_factors")
@@ -15,6 +16,9 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "fre
 
 @dataclass
 class ModelConfig:
+    """What every model has; its layers' parts and their options are ``layers`` (the architecture's
+    declaration, ``ferry.model.arch.parts``)."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -28,52 +32,43 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
     eos_token_ids: list[int]
-    sliding_window: int | None = None  # attention looks this many tokens back (Mistral); None: all
-    qk_norm: bool = False  # an RMS norm on each head's q and k before rope (Qwen3)
-    # Per layer: the window it attends within (None: every earlier token); default sliding_window on all.
-    layer_windows: tuple[int | None, ...] = ()
-    fused_decode: bool = True  # the architecture's layers are what the fused C decode computes
-    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    norm_offset: float = 0.0  # RMS norms scale by (offset + w): Gemma's 1 + w
+    layers: tuple[LayerSpec, ...] = ()
     embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
-    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
-    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
-    # Per layer: (rope theta, rope scaling); default every layer (rope_theta, rope_scaling).
-    layer_ropes: tuple[tuple[float, dict[str, Any] | None], ...] = ()
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
-    # Mixture of experts: routed experts per token of the MLP layers where moe_layers says so.
-    num_experts: int = 0
-    experts_per_token: int = 0
-    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
-    moe_intermediate_size: int = 0
-    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.layer_windows:
-            self.layer_windows = (self.sliding_window,) * self.num_layers
-        if not self.layer_ropes:
-            self.layer_ropes = ((self.rope_theta, self.rope_scaling),) * self.num_layers
-        if not self.moe_layers:
-            self.moe_layers = (self.num_experts > 0,) * self.num_layers
+        if not self.layers:
+            self.layers = tuple(LayerSpec(AttentionSpec(rope=(self.rope_theta, self.rope_scaling)), MLPSpec())
+                                for _ in range(self.num_layers))
+
+    @property
+    def arch(self) -> Architecture:
+        """The registered architecture's declaration."""
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(layer.mixer.window for layer in self.layers)
 
     @property
     def max_window(self) -> int | None:
         """The widest window any layer keeps (None: some layer reads every earlier token)."""
-        if not self.layer_windows or None in self.layer_windows:
+        windows = self.layer_windows
+        if not windows or None in windows:
             return None
-        return max(self.layer_windows)
+        return max(windows)
+
+    @property
+    def experts(self) -> ExpertsSpec | None:
+        """The routed experts of the layers that have them (None: a dense model)."""
+        return next((layer.mlp for layer in self.layers if isinstance(layer.mlp, ExpertsSpec)), None)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         spec = find(archs, d.get("model_type"), where)
         arch = spec.hf_name
-        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-        act = {"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
-        if act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unsupported hidden_act {act!r} in {where}; ferry runs 'silu' and 'gelu_pytorch_tanh'")
         try:
             heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -91,12 +86,11 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(rope, where),
                 max_position_embeddings=d.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                qkv_bias=bool(d.get("attention_bias", False)),
                 eos_token_ids=_id_list(d.get("eos_token_id")),
-                fused_decode=spec.fused_decode,
-                hidden_act=act,
             )
             fields.update(spec.configure(d))
+            if "layers" not in fields:
+                fields["layers"] = llama_layers(d, bias=bool(d.get("attention_bias", False)))
             return cls(**fields)
         except KeyError as e:
             raise ValueError(f"{where} lacks the field {e.args[0]!r}") from None

@@ -1,134 +1,185 @@
-"""The decoder layers of a decode-only step as one C call (``kernels/decode_layers.c``).
+"""The decoder layers of a decode-only step as one C call (``kernels/decode_layers.c``), running a
+list of ops that the layers' parts compile (``ops`` on each part of ``ferry.model.layers``).
 
 With few requests a decode step does little arithmetic per operation, and in torch it pays ~25
-operation dispatches per layer; the C path runs the same operations with none. A tensor-parallel
-rank calls it twice per layer, for the attention and the MLP halves, and all-reduces each half's
-partial output in between. Steps with a
-prefill chunk, or more rows than ``FUSED_DECODE_ROWS``, go through torch, where each operation's
-work is large enough to pay for its dispatch.
+operation dispatches per layer; the C path runs the same operations with none. A part the C side
+has no op for (routed experts) makes ``compile_ops`` give up, and the model decodes through torch.
+A tensor-parallel rank runs the list in segments, one per residual add, and all-reduces each
+segment's partial output in between. Steps with a prefill chunk, or more rows than
+``FUSED_DECODE_ROWS``, go through torch, where each operation's work is large enough to pay for
+its dispatch.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ferry.model.attention import AttentionMetadata
+from ferry.model.kernels import DecodeDims, DecodeOp, WeightPart, load_kernels
 from ferry.model.kv_format import KV_KINDS
-from ferry.model.config import ModelConfig
-from ferry.model.kernels import load_kernels
 from ferry.model.quant import QuantWeight, RowStack
 
 # Up to this many decodes the fused path wins (measured with --profile on the embedded model).
 FUSED_DECODE_ROWS = 32
-# The kernel's parts, in the order of its timing array.
+# The profiler's parts, in the order of the timing array (an op names the one its time goes to).
 PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down")
 
-_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+# kernels/decode_ops.h's op codes and buffers, in order.
+OPS = ("norm", "matmul", "bias", "head_norm", "rope_kv", "attention", "gated_act", "add")
+BUFFERS = ("x", "out", "h", "qkv", "q", "attn", "gu", "act", "tmp")
+
+class NotFused(Exception):
+    """A part has no op in the C decode: the model decodes through torch."""
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("input_norm", "post_norm", "qkv_bias", "qkv", "o_proj", "gate_up", "down")] \
-        + [(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")] \
-        + [("k_cache", _p), ("v_cache", _p), ("window", _i64)] \
-        + [(n, _p) for n in ("q_norm", "k_norm", "cos", "sin", "attn_out_norm", "mlp_out_norm")] \
-        + [("qkv_parts", _p), ("gate_up_parts", _p), ("n_qkv_parts", _i64), ("n_gate_up_parts", _i64)]
+@dataclass
+class Op:
+    """One op of the list: names for codes, buffers and the profiler's part; tensors for pointers."""
+
+    code: str
+    src: str
+    dst: str
+    part: str
+    w: Any = None  # a norm's scale, a bias, or a product's weight (tensor, QuantWeight, RowStack)
+    w2: torch.Tensor | None = None
+    n: int = 0
+    k: int = 0
+    scale: float = 0.0
+    cache: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    width: int = 0  # the row width of what it writes to dst (0: dst's width is set elsewhere)
 
 
-class _Part(ctypes.Structure):
-    _fields_ = [("w", _p), ("type", _i64), ("rows", _i64)]
+@dataclass
+class Segment:
+    """Ops up to one residual add; under tensor parallelism the add is the caller's, after its
+    all-reduce of ``out`` (normed by ``out_norm`` where the part has one)."""
+
+    ops: list[Op]
+    out_norm: torch.Tensor | None = None
 
 
-class _Dims(ctypes.Structure):
-    _fields_ = [(n, _i64) for n in ("hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "block_size")] \
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", _i64), ("kv", _i64)]
+@dataclass
+class Program:
+    """The C structs of a compiled op list, and everything they point at, kept alive."""
+
+    segments: list[tuple[Any, int, torch.Tensor | None]]  # (op array, op count, out_norm)
+    widths: dict[str, int]
+    keep: list[Any] = field(default_factory=list)
 
 
-def _ptr_type(w: Any) -> tuple[int, int]:
+def check_codes(lib: Any) -> None:
+    """Raise RuntimeError when kernels/decode_ops.h's ops or buffers differ in number from OPS and
+    BUFFERS (its structs' sizes are load_kernels' check)."""
+    got = (ctypes.c_int64 * 2)()
+    lib.decode_counts(got)
+    if list(got) != [len(OPS), len(BUFFERS)]:
+        raise RuntimeError(f"kernels/decode_ops.h has {got[0]} ops and {got[1]} buffers; fused_decode.py names "
+                           f"{len(OPS)} and {len(BUFFERS)}")
+
+
+def _weight(w: Any, keep: list[Any]) -> tuple[int | None, int, int | None, int]:
+    """(pointer, type, parts array, parts) of a product's weight."""
     if isinstance(w, RowStack):
-        return 0, -1  # the parts say (_parts)
-    return (w.data.data_ptr(), w.kernel_type) if isinstance(w, QuantWeight) else (w.data_ptr(), -1)
+        parts = (WeightPart * len(w.parts))(*[(p.data.data_ptr(), p.kernel_type, p.shape[0]) for p in w.parts])
+        keep.append(parts)
+        return None, -1, ctypes.addressof(parts), len(w.parts)
+    if isinstance(w, QuantWeight):
+        return w.data.data_ptr(), w.kernel_type, None, 0
+    return w.data_ptr(), -1, None, 0
 
 
-def _parts(w: Any) -> tuple[Any, int]:
-    """A RowStack's parts as the C side reads them (None, 0 for one weight)."""
-    if not isinstance(w, RowStack):
-        return None, 0
-    return (_Part * len(w.parts))(*[(p.data.data_ptr(), p.kernel_type, p.shape[0]) for p in w.parts]), len(w.parts)
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _op_struct(op: Op, keep: list[Any]) -> DecodeOp:
+    s = DecodeOp(OPS.index(op.code), BUFFERS.index(op.src), BUFFERS.index(op.dst), PARTS.index(op.part))
+    if op.code == "matmul":
+        s.w, s.type, s.parts, s.n_parts = _weight(op.w, keep)
+    else:
+        s.w, s.type = _ptr(op.w), -1
+    s.w2, s.n, s.k, s.scale = _ptr(op.w2), op.n, op.k, op.scale
+    if op.cache is not None:
+        s.k_cache, s.v_cache = op.cache[0].data_ptr(), op.cache[1].data_ptr()
+    if op.rope is not None:
+        s.cos, s.sin = op.rope[0].data_ptr(), op.rope[1].data_ptr()
+    return s
+
+
+def _widths(segments: Sequence[Segment], hidden: int) -> dict[str, int]:
+    """Each buffer's row width: what its ops write there, the same wherever it is written."""
+    widths = {"x": hidden, "out": hidden, "h": hidden, "tmp": hidden}
+    for seg in segments:
+        for op in seg.ops:
+            if op.width and widths.setdefault(op.dst, op.width) != op.width:
+                raise ValueError(f"buffer {op.dst!r} written {widths[op.dst]} and {op.width} floats wide")
+    return widths
 
 
 class FusedDecode:
-    """Holds the layers' pointers for the C call; ``run`` updates the residual stream in place."""
+    """A model's compiled op list for the C call; ``run`` updates the residual stream in place."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[Any], scale: float,
-                 ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 heads: tuple[int, int] | None = None, comm: Any = None) -> None:
-        """``heads``: this rank's (query, KV) heads, and its slice of the MLP is its weights' (tensor
-        parallelism, with ``comm`` its collectives); the whole model's by default."""
-        self.cfg = cfg
-        self.layers = layers  # keeps the weights alive while the C side points at them
-        self.ropes = ropes or []  # per-layer rope tables (layer.rope indexes them), kept alive too
-        self.comm = comm
-        hq, hkv = heads or (cfg.num_heads, cfg.num_kv_heads)
-        inter = layers[0].gate_up.shape[0] // 2 if layers and layers[0].gate_up is not None else cfg.intermediate_size
-        self.dims = _Dims(cfg.hidden_size, hq, hkv, cfg.head_dim, inter, 0, cfg.rms_norm_eps, scale,
-                          int(cfg.hidden_act == "gelu_tanh"), 0)
-        self._table: Any = None
+    def __init__(self, compile_segments: Any, hidden: int, heads: tuple[int, int, int], eps: float,
+                 comm: Any = None) -> None:
+        """``compile_segments(kv_caches)``: the model's op list in segments (``Segment``), raising
+        NotFused where a part has no op; ``heads``: this rank's (query heads, KV heads, head size)."""
+        self.compile_segments = compile_segments
+        self.hidden, self.eps, self.comm = hidden, eps, comm
+        self.dims = DecodeDims(*heads, 0, 0, eps)
+        self._program: Program | None = None
         self._caches: Any = None
         self.times = (ctypes.c_double * len(PARTS))()
+        check_codes(load_kernels())
 
-    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def _compiled(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Program:
         if self._caches is not kv_caches:  # the executor's caches live as long as it does
-            table = (_Layer * len(self.layers))()
-            self._keep: list[Any] = []  # the parts' arrays, alive while the table points at them
-            for t, layer, (k, v) in zip(table, self.layers, kv_caches):
-                t.input_norm, t.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-                t.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
-                t.qkv, t.qkv_type = _ptr_type(layer.qkv)
-                qkv_parts, t.n_qkv_parts = _parts(layer.qkv)
-                gate_up_parts, t.n_gate_up_parts = _parts(layer.gate_up)
-                t.qkv_parts = None if qkv_parts is None else ctypes.addressof(qkv_parts)
-                t.gate_up_parts = None if gate_up_parts is None else ctypes.addressof(gate_up_parts)
-                self._keep += [qkv_parts, gate_up_parts]
-                t.o_proj, t.o_type = _ptr_type(layer.o_proj)
-                t.gate_up, t.gate_up_type = _ptr_type(layer.gate_up)
-                t.down, t.down_type = _ptr_type(layer.down)
-                t.k_cache, t.v_cache = k.data_ptr(), v.data_ptr()
-                t.window = layer.window or 0
-                t.q_norm = None if layer.q_norm is None else layer.q_norm.data_ptr()
-                t.k_norm = None if layer.k_norm is None else layer.k_norm.data_ptr()
-                t.attn_out_norm = None if layer.attn_out_norm is None else layer.attn_out_norm.data_ptr()
-                t.mlp_out_norm = None if layer.mlp_out_norm is None else layer.mlp_out_norm.data_ptr()
-                if self.ropes:
-                    t.cos, t.sin = (r.data_ptr() for r in self.ropes[layer.rope])
-            self._table, self._caches = table, kv_caches
-        return self._table
+            segments = self.compile_segments(kv_caches)
+            if self.comm is None:  # one call for the whole model: each segment ends with its residual add
+                segments = [Segment([op for s in segments for op in s.ops + _residual_add(s)])]
+            keep: list[Any] = []
+            compiled = []
+            for seg in segments:
+                ops = (DecodeOp * len(seg.ops))(*[_op_struct(op, keep) for op in seg.ops])
+                compiled.append((ops, len(seg.ops), seg.out_norm))
+            self._program = Program(compiled, _widths(segments, self.hidden), keep + [segments])
+            self._caches = kv_caches
+            for i, name in enumerate(BUFFERS):
+                self.dims.width[i] = self._program.widths.get(name, 0)
+        return self._program
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
-            profiler: Any = None) -> None:
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], profiler: Any = None) -> None:
         """x: [B, hidden] float32 contiguous, one decode per row; changed in place."""
-        table = self._layer_table(kv_caches)
+        program = self._compiled(kv_caches)
         self.dims.block_size = meta.block_size
         self.dims.kv = KV_KINDS[kv_caches[0][0].dtype]
         tables = meta.decode_block_tables
         for i in range(len(PARTS)):
             self.times[i] = 0.0
-        args = (ctypes.byref(self.dims), x.data_ptr(), x.shape[0], positions.data_ptr(), cos.data_ptr(),
-                sin.data_ptr(), tables.data_ptr(), tables.shape[1], meta.decode_lens.data_ptr(),
-                meta.slot_mapping.data_ptr(), self.times)
+        out = x if self.comm is None else torch.empty_like(x)
         lib = load_kernels()
-        if self.comm is None:
-            lib.decode_layers(table, len(self.layers), *args, -1, None)
-        else:
-            out, size = torch.empty_like(x), ctypes.sizeof(_Layer)
-            for i, layer in enumerate(self.layers):
-                one = ctypes.addressof(table) + i * size
-                for part, out_norm in ((0, layer.attn_out_norm), (1, layer.mlp_out_norm)):
-                    lib.decode_layers(one, 1, *args, part, out.data_ptr())
-                    self.comm.all_reduce(out)
-                    x += out if out_norm is None else F.rms_norm(out, (out.shape[-1],), out_norm, self.cfg.rms_norm_eps)
+        for ops, n, out_norm in program.segments:
+            status = lib.decode_ops(ops, n, ctypes.byref(self.dims), x.data_ptr(), out.data_ptr(), x.shape[0],
+                                    positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                    meta.decode_lens.data_ptr(), meta.slot_mapping.data_ptr(), self.times)
+            if status:
+                raise MemoryError("the fused decode could not allocate its buffers") if status == 1 else \
+                    RuntimeError(f"the fused decode met an op it lacks (status {status})")
+            if self.comm is not None:
+                self.comm.all_reduce(out)
+                x += out if out_norm is None else F.rms_norm(out, (out.shape[-1],), out_norm, self.eps)
         if profiler is not None:
             profiler.split(dict(zip(PARTS, self.times)), "layers")
+
+
+def _residual_add(seg: Segment) -> list[Op]:
+    """The add that ends a segment on one rank: its last product wrote "out"; here it writes "tmp",
+    which joins x (normed first where the part says)."""
+    last = seg.ops[-1]
+    last.dst = "tmp"
+    return [Op("add", "tmp", "x", last.part, w=seg.out_norm)]

@@ -63,32 +63,24 @@ def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return out
 
 
-# llama.cpp's per-layer names (its llama ones) -> Hugging Face's; an architecture declares its others.
-_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 # Tensors outside the layers that are config, not weights: read into config.json.
 CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
-def hf_name(name: str, spec=None) -> str:
+def hf_name(name: str, spec) -> str:
     """The Hugging Face name of a GGUF tensor (llama.cpp's names for ``spec``'s architecture)."""
+    from ferry.model.arch.parts import NAMES
+
     base, kind = name.rsplit(".", 1)
-    if base == "token_embd":
-        return "model.embed_tokens." + kind
-    if base == "output_norm":
-        return "model.norm." + kind
-    if base == "output":
-        return "lm_head." + kind
+    for role in ("embed", "final_norm", "lm_head"):
+        if base == NAMES[role][1]:
+            return f"{NAMES[role][0]}.{kind}"
     if base in CONFIG_TENSORS:
         return name
     if not base.startswith("blk."):
         raise ValueError(f"unknown GGUF tensor {name!r}")
     _, layer, part = base.split(".", 2)
-    names = _NAMES if spec is None else {**_NAMES, **spec.gguf_tensors}
+    names = spec.gguf_layer_names()
     if part not in names:
         raise ValueError(f"unknown GGUF tensor {name!r}")
     return f"model.layers.{layer}.{names[part]}.{kind}"
@@ -114,8 +106,8 @@ def hf_tensors(reader, keep: tuple[str, ...] = ()):
         heads = p_heads if t.name.endswith("attn_q.weight") else p_kv if t.name.endswith("attn_k.weight") else 0
         if heads:  # rope's row permutation moves whole rows, and a row's blocks move with it
             data = unpermute_rope(data, heads)
-        if spec.gguf_norm_shift and t.name.endswith("norm.weight") and qtype not in keep:
-            data = data - np.float32(spec.gguf_norm_shift)
+        if spec.norm_offset and t.name.endswith("norm.weight") and qtype not in keep:
+            data = data - np.float32(spec.norm_offset)
         name = hf_name(t.name, spec)
         if "{e}" in name:
             for e in range(shape[0]):
@@ -204,10 +196,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     }
     if m("attention.key_length"):
         config["head_dim"] = m("attention.key_length")
-    if m("attention.sliding_window") and spec.hf_name == "LlamaForCausalLM":
-        # llama.cpp writes Mistral as a llama with a window: Hugging Face's name for that is Mistral.
-        config.update(architectures=["MistralForCausalLM"], model_type="mistral",
-                      sliding_window=m("attention.sliding_window"))
     config.update(spec.gguf_configure(m, tensors))
     for name in CONFIG_TENSORS:  # what no architecture read is not a weight either
         tensors.pop(f"{name}.weight", None)

@@ -15,7 +15,7 @@ from ferry.model.kernels import load_kernels
 from ferry.model.quant import cached_gguf_weights, set_activations
 from ferry.model.gguf_convert import converted_dir, embedded_gguf_path
 from ferry.model.hub import local_model
-from ferry.model.tensor_parallel import shard_rows
+from ferry.model.weights import dummy_weights, unfuse
 
 log = logging.getLogger(__name__)
 
@@ -69,30 +69,6 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
     return unfuse(load_safetensors(model_dir), cfg)
 
 
-def unfuse(weights: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """Split the checkpoint tensors an architecture fuses (Phi-3's qkv_proj, gate_up_proj) into
-    ferry's names, by rows: the decoder fuses them again after any tensor-parallel slicing."""
-    from ferry.model.arch import ARCHITECTURES
-
-    fused = ARCHITECTURES[cfg.architecture].checkpoint_fused
-    if not fused:
-        return weights
-    hd = cfg.head_dim
-    for n in range(cfg.num_layers):
-        for src, parts in fused.items():
-            name = f"model.layers.{n}.{src}.weight"
-            if name not in weights:
-                continue
-            w = weights.pop(name)
-            sizes = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd] if len(parts) == 3 \
-                else [w.shape[0] // len(parts)] * len(parts)
-            start = 0
-            for part, size in zip(parts, sizes):  # rows: a quantized tensor's rows of blocks too
-                weights[f"model.layers.{n}.{part}.weight"] = shard_rows(w, start, start + size)
-                start += size
-    return weights
-
-
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint."""
     from safetensors.torch import load_file
@@ -110,43 +86,3 @@ def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(f"weight file {name!r} is missing from {str(model_dir)!r}")
         tensors.update(load_file(str(model_dir / name)))
     return tensors
-
-
-def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of the right shapes, for benchmarking sizes we cannot download."""
-    g = torch.Generator().manual_seed(seed)
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.02
-
-    w = {"model.embed_tokens.weight": rnd(cfg.vocab_size, h), "model.norm.weight": torch.ones(h)}
-    if not cfg.tie_word_embeddings:
-        w["lm_head.weight"] = rnd(cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        for norm in ("input_layernorm", "post_attention_layernorm") + (
-                ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()):
-            w[p + norm + ".weight"] = torch.ones(h) - cfg.norm_offset * 0.5
-        w[p + "self_attn.q_proj.weight"] = rnd(cfg.num_heads * hd, h)
-        w[p + "self_attn.k_proj.weight"] = rnd(cfg.num_kv_heads * hd, h)
-        w[p + "self_attn.v_proj.weight"] = rnd(cfg.num_kv_heads * hd, h)
-        w[p + "self_attn.o_proj.weight"] = rnd(h, cfg.num_heads * hd)
-        if cfg.qkv_bias:
-            for x, n_out in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
-                w[p + f"self_attn.{x}_proj.bias"] = rnd(n_out * hd)
-        if cfg.qk_norm:
-            w[p + "self_attn.q_norm.weight"] = torch.ones(hd)
-            w[p + "self_attn.k_norm.weight"] = torch.ones(hd)
-        if cfg.moe_layers[n]:
-            e, mi = cfg.num_experts, cfg.moe_intermediate_size
-            w[p + "mlp.gate.weight"] = rnd(e, h)
-            for x in range(e):
-                w[p + f"mlp.experts.{x}.gate_proj.weight"] = rnd(mi, h)
-                w[p + f"mlp.experts.{x}.up_proj.weight"] = rnd(mi, h)
-                w[p + f"mlp.experts.{x}.down_proj.weight"] = rnd(h, mi)
-            continue
-        w[p + "mlp.gate_proj.weight"] = rnd(i, h)
-        w[p + "mlp.up_proj.weight"] = rnd(i, h)
-        w[p + "mlp.down_proj.weight"] = rnd(h, i)
-    return w

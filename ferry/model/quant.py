@@ -19,27 +19,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ferry.model.kernels import Q8_ISA_MACROS, load_kernels
+from ferry.model.kernels import Q8_ISA_MACROS, QtTraits, load_kernels
 
 
 @dataclass(frozen=True)
 class QuantType:
     """One GGUF type ferry keeps quantized: its blocks as the file stores them (float16 scales),
-    served by the C kernels under ``kernel_id`` (the GGML type id, ``kernels/quant_types.h``)."""
+    served by the C kernels under ``kernel_id`` (the GGML type id). The fields are the row of
+    ``kernels/quant_types.h`` (``ferry_qt_traits_t`` in ``kernels/ferry_kernels.h``), in order."""
 
     name: str
     kernel_id: int
-    block: int  # weights per block
+    block: int  # weights per block: 32, or a K-quant's super-block of 256
     nbytes: int  # bytes per block
-    kept: str = "the file's blocks"
+    group: int  # weights per scale group of the q8 products: 16 or 32
+    offset: bool  # w = a q + b: a float16 min (m, dmin) 2 bytes after d
+    shift: int  # levels stored unsigned as the level plus this (0: stored as they are)
+    d_at: int  # byte offset of the block's float16 scale d
+
+    @property
+    def k_quant(self) -> bool:
+        """Super-blocks of 256 weights (Q2_K..Q6_K, IQ4_XS)."""
+        return self.block == 256
+
+    @property
+    def float16_fields(self) -> tuple[int, int]:
+        """The byte range of the block's float16 scales: d, and an offset type's min after it."""
+        return self.d_at, self.d_at + 2 + 2 * self.offset
 
 
-# Mirrors kernels/quant_types.h row for row; ``check_kernel_types`` compares the two at load.
+# Mirrors kernels/quant_types.h row for row (the kernels are optional, the table is not);
+# ``check_kernel_types`` compares the two at load.
 QUANT_TYPES = {t.name: t for t in (
-    QuantType("Q4_0", 2, 32, 18), QuantType("Q4_1", 3, 32, 20), QuantType("Q5_0", 6, 32, 22),
-    QuantType("Q5_1", 7, 32, 24), QuantType("Q8_0", 8, 32, 34), QuantType("Q2_K", 10, 256, 84),
-    QuantType("Q3_K", 11, 256, 110), QuantType("Q4_K", 12, 256, 144), QuantType("Q5_K", 13, 256, 176),
-    QuantType("Q6_K", 14, 256, 210), QuantType("IQ4_NL", 20, 32, 18), QuantType("IQ4_XS", 23, 256, 136),
+    QuantType("Q4_0", 2, 32, 18, 32, False, 8, 0), QuantType("Q4_1", 3, 32, 20, 32, True, 0, 0),
+    QuantType("Q5_0", 6, 32, 22, 32, False, 16, 0), QuantType("Q5_1", 7, 32, 24, 32, True, 0, 0),
+    QuantType("Q8_0", 8, 32, 34, 32, False, 0, 0), QuantType("Q2_K", 10, 256, 84, 16, True, 0, 80),
+    QuantType("Q3_K", 11, 256, 110, 16, False, 4, 108), QuantType("Q4_K", 12, 256, 144, 32, True, 0, 0),
+    QuantType("Q5_K", 13, 256, 176, 32, True, 0, 0), QuantType("Q6_K", 14, 256, 210, 16, False, 32, 208),
+    QuantType("IQ4_NL", 20, 32, 18, 32, False, 0, 0), QuantType("IQ4_XS", 23, 256, 136, 32, False, 0, 0),
 )}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ACTIVATION_MODES = ("exact", "q8")
@@ -58,16 +75,17 @@ SLICE_FLOATS = 4 * 2**20
 
 
 def check_kernel_types(lib) -> None:
-    """Raise RuntimeError when the compiled table (quant_types.h) differs from QUANT_TYPES."""
-    name, info = ctypes.create_string_buffer(16), (ctypes.c_int64 * 3)()
-    n = lib.quant_type_row(0, name, info)
+    """Raise RuntimeError when the compiled table (quant_types.h) differs from QUANT_TYPES, naming
+    the rows that differ."""
+    row = QtTraits()
     rows = []
-    for i in range(n):
-        lib.quant_type_row(i, name, info)
-        rows.append((name.value.decode(), *info))
-    ours = [(t.name, t.kernel_id, t.block, t.nbytes) for t in QUANT_TYPES.values()]
+    for i in range(lib.quant_type_traits(0, ctypes.byref(row))):
+        lib.quant_type_traits(i, ctypes.byref(row))
+        rows.append((row.name.decode(), row.id, row.block, row.bytes, row.group, bool(row.offset), row.shift, row.d_at))
+    ours = [(t.name, t.kernel_id, t.block, t.nbytes, t.group, t.offset, t.shift, t.d_at) for t in QUANT_TYPES.values()]
     if rows != ours:
-        raise RuntimeError(f"kernels/quant_types.h {rows} differs from quant.QUANT_TYPES {ours}")
+        differ = [f"{a} vs. {b}" for a, b in zip(rows, ours) if a != b] or [f"{len(rows)} rows vs. {len(ours)}"]
+        raise RuntimeError(f"kernels/quant_types.h differs from quant.QUANT_TYPES (library vs. Python): {'; '.join(differ)}")
 
 
 def _kernels():
@@ -86,8 +104,9 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, int]
     # "exact": float32 activations (the dequantized model's results); "q8": activations quantized
-    # per block of 32 to int8 and integer dot products at every number of rows (quant_q8_tiles.c),
-    # each row's result the same bits whatever the batch.
+    # per block of 32 to int8 and integer dot products at every number of rows (quant_q8.c; packed
+    # weights' in quant_q8_packed.c, the file layout's by the portable reference products), each
+    # row's result the same bits whatever the batch.
     activations: str = "exact"
     # True: ``data`` is ``pack_rows16``'s layout (q8 products only), not the file's.
     packed: bool = False

@@ -62,10 +62,10 @@ class ShardPlan:
         vocab = split(cfg.vocab_size, world, 0)
         mlp_align = QK_K if cfg.intermediate_size % QK_K == 0 and cfg.intermediate_size >= QK_K * world else QK
         experts = (0, 0)
-        if cfg.num_experts:  # each rank holds a slice of every expert, as of a dense MLP
-            if cfg.moe_intermediate_size < world:
+        if cfg.experts is not None:  # each rank holds a slice of every expert, as of a dense MLP
+            mi = cfg.experts.intermediate
+            if mi < world:
                 raise ValueError(f"tensor_parallel_size {world} is more than the experts' intermediate size")
-            mi = cfg.moe_intermediate_size
             experts = split(mi, world, rank, QK_K if mi % QK_K == 0 and mi >= QK_K * world else QK)
         return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank, mlp_align),
                    split(cfg.vocab_size, world, rank), vocab[1] - vocab[0], max_kv, experts)

@@ -1,17 +1,38 @@
-"""Prometheus metrics with vLLM's names under a ``ferry:`` prefix."""
+"""Prometheus metrics with vLLM's names under a ``ferry:`` prefix, fed by the step loop as an
+observer the server attaches (``observe``)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ferry.engine.async_engine import AsyncEngine
+from ferry.engine.live_state import LiveState
 from ferry.engine.llm_engine import LLMEngine
 from ferry.engine.outputs import RequestOutput
+from ferry.engine.step_stats import StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
 
 
+def observe(front: AsyncEngine, model_name: str, replica: str | None = None) -> ServerMetrics:
+    """Attach Prometheus metrics (labelled ``replica`` when given) and the dashboard's state to
+    ``front``'s step loop, once; returns its metrics."""
+    metrics = metrics_of(front)
+    if metrics is None:
+        metrics = ServerMetrics(front.engine, model_name, replica)
+        front.attach(metrics)
+        front.attach(LiveState())
+    return metrics
+
+
+def metrics_of(front: AsyncEngine) -> ServerMetrics | None:
+    """The metrics ``observe`` attached to ``front``, or None."""
+    return next((o for o in front.observers if isinstance(o, ServerMetrics)), None)
+
+
 class ServerMetrics:
-    """Updated from the engine thread after every step; read by ``GET /metrics``."""
+    """Updated from the engine thread after every step, from the step's record (``last_step``)
+    and the scheduler's state; read by ``GET /metrics``."""
 
     def __init__(self, engine: LLMEngine, model_name: str, replica: str | None = None) -> None:
         """``replica``: this engine's index among data-parallel replicas (a ``replica`` label on
@@ -21,37 +42,31 @@ class ServerMetrics:
         values = [model_name] + ([replica] if replica is not None else [])
         self.label_values = values
         r = self.registry
-        sched = engine.scheduler
+        state = engine.scheduler.state
 
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(name, doc, labels, registry=r).labels(*values).set_function(fn)
 
-        gauge("ferry:num_requests_running", "Requests in the running batch.", lambda: sched.num_running)
-        gauge("ferry:num_requests_waiting", "Requests waiting to be scheduled.", lambda: sched.num_waiting)
-        gauge("ferry:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-              lambda: engine.kv.pool.num_used / engine.num_kv_blocks)
-        gauge("ferry:num_kv_blocks_free", "KV cache blocks free.", lambda: engine.kv.pool.num_free)
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        # Spec decoding totals so far, summed from the steps' records.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        gauge("ferry:num_requests_running", "Requests in the running batch.", lambda: state().num_running)
+        gauge("ferry:num_requests_waiting", "Requests waiting to be scheduled.", lambda: state().num_waiting)
+        gauge("ferry:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", lambda: state().kv_usage)
+        gauge("ferry:num_kv_blocks_free", "KV cache blocks free.", lambda: state().num_kv_blocks_free)
         gauge("ferry:spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far (0 without drafts).",
-              lambda: sched.num_accepted_tokens / sched.num_draft_tokens if sched.num_draft_tokens else 0.0)
+              lambda: self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0)
         gauge("ferry:spec_decode_mean_accepted_length", "Tokens per verify step so far: 1 + accepted drafts "
               "per verify (0 without drafts).",
-              lambda: 1 + sched.num_accepted_tokens / sched.num_drafts if sched.num_drafts else 0.0)
-        self.preemptions = Counter("ferry:num_preemptions", "Preemptions (recompute).", labels, registry=r).labels(*values)
-
-        def engine_counter(name: str, doc: str, read) -> None:
-            # The engine counts; each step adds what it counted since the last one.
-            self._counters.append((Counter(name, doc, labels, registry=r).labels(*values), read, [read()]))
-
-        self._counters: list = []
-        engine_counter("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                       lambda: engine.kv.num_queried_tokens)
-        engine_counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
-                       lambda: engine.kv.num_hit_tokens)
-        engine_counter("ferry:spec_decode_num_drafts", "Verify steps with drafts (one per request per step).",
-                       lambda: sched.num_drafts)
-        engine_counter("ferry:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: sched.num_draft_tokens)
-        engine_counter("ferry:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                       lambda: sched.num_accepted_tokens)
+              lambda: 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
+        self.preemptions = counter("ferry:num_preemptions", "Preemptions (recompute).")
+        self.prefix_queries = counter("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
+        self.drafts = counter("ferry:spec_decode_num_drafts", "Verify steps with drafts (one per request per step).")
+        self.draft_tokens = counter("ferry:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted_tokens = counter("ferry:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.prompt_tokens = Counter("ferry:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r).labels(*values)
         self.generation_tokens = Counter("ferry:generation_tokens", "Generated tokens.", labels, registry=r).labels(*values)
         self.finished = Counter("ferry:request_success", "Finished requests by reason.", labels + ["finished_reason"],
@@ -67,7 +82,16 @@ class ServerMetrics:
         self.itl = hist("ferry:inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("ferry:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = hist("ferry:request_queue_time_seconds", "Arrival to first scheduled.")
-        self._seen_preemptions = engine.num_preemptions
+
+    def _count_step(self, step: StepStats) -> None:
+        self.num_drafts += step.num_drafts
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_accepted_tokens += step.num_accepted_tokens
+        for counter, n in ((self.preemptions, step.num_preempted), (self.prefix_queries, step.num_prefix_queried_tokens),
+                           (self.prefix_hits, step.num_prefix_hit_tokens), (self.drafts, step.num_drafts),
+                           (self.draft_tokens, step.num_draft_tokens), (self.accepted_tokens, step.num_accepted_tokens)):
+            if n:
+                counter.inc(n)
 
     def on_abort(self, n: int) -> None:
         """Requests aborted by their client (disconnects): they leave without a step output."""
@@ -75,15 +99,9 @@ class ServerMetrics:
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called under the engine lock after each step with that step's outputs."""
-        n = engine.num_preemptions
-        if n > self._seen_preemptions:
-            self.preemptions.inc(n - self._seen_preemptions)
-            self._seen_preemptions = n
-        for counter, read, seen in self._counters:
-            now = read()
-            if now > seen[0]:
-                counter.inc(now - seen[0])
-            seen[0] = now  # a reset engine counter starts again from there
+        step = engine.last_step
+        if step is not None:  # None: the step scheduled nothing
+            self._count_step(step)
         for out in outputs:
             m, comp = out.metrics, out.outputs[0]
             assert m is not None

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ferry.config import EngineConfig
 from ferry.engine.async_engine import AsyncEngine
 from ferry.server.errors import APIError
+from ferry.server.metrics import metrics_of, observe
 
 if TYPE_CHECKING:
     from ferry.server.context import ServerContext
@@ -383,8 +384,8 @@ class ModelPool:
     def _adopt(self, entry: ModelEntry, front: Front) -> None:
         """``front`` is ``entry``'s engine from now on: its metrics, its context."""
         assert self.template is not None, "attach() first"
-        if isinstance(front, AsyncEngine) and front.metrics is None:
-            front.observe(entry.name)
+        if isinstance(front, AsyncEngine):
+            observe(front, entry.name)
         if self._draining:
             front.draining = True
         entry.front = front
@@ -521,8 +522,10 @@ class ModelPool:
 
         groups, text = [], b""
         for entry in self.loaded():
-            if isinstance(entry.front, AsyncEngine) and entry.front.metrics is not None:
-                groups.append(list(entry.front.metrics.registry.collect()))
+            if isinstance(entry.front, AsyncEngine):
+                metrics = metrics_of(entry.front)
+                if metrics is not None:
+                    groups.append(list(metrics.registry.collect()))
             else:  # data-parallel replicas: merged by their front already
                 text += await entry.front.prometheus()
         return text + merged_exposition(groups + [list(self.registry.collect())])

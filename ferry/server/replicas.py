@@ -36,10 +36,11 @@ class ReplicaWorker:
 
     def __init__(self, config: EngineConfig, index: int, model_name: str, max_waiting_requests: int | None) -> None:
         from ferry.engine.llm_engine import LLMEngine
+        from ferry.server.metrics import observe
 
         self.index = str(index)
         self.engine = AsyncEngine(lambda: LLMEngine.from_config(config), max_waiting_requests)
-        self.engine.observe(model_name, replica=self.index)
+        self.metrics = observe(self.engine, model_name, replica=self.index)
         # Outputs are cumulative (text and tokens so far): only the latest per sub-request crosses.
         self.outbox: dict[tuple[str, int], RequestOutput | str] = {}
         self.pumps: dict[str, asyncio.Task] = {}
@@ -98,7 +99,7 @@ class ReplicaWorker:
 
     async def metric_families(self) -> list[Any]:
         """This replica's Prometheus metric families (labelled ``replica``), for the front to merge."""
-        return list(self.engine.metrics.registry.collect())
+        return list(self.metrics.registry.collect())
 
     async def live_state(self) -> dict[str, Any]:
         state = (await self.engine.live_state())[0]
@@ -144,7 +145,7 @@ class _ReplicaStream(Stream):
 
 class ReplicaSet:
     """The front ``build_app`` serves when there are several replicas: the same methods as
-    AsyncEngine (submit, reset_prefix_cache, live_state, prometheus, start, stop, ...)."""
+    AsyncEngine (submit, reset_prefix_cache, live_state, start, stop, ...), and ``prometheus``."""
 
     def __init__(self, config: EngineConfig, num_replicas: int, router: RouterConfig, model_name: str,
                  max_waiting_requests: int | None = None, ray_address: str | None = None) -> None:

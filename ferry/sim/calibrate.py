@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ferry.executor.base import WrappedExecutor
 from ferry.model.config import ModelConfig
 from ferry.sim.cost_model import CostModel, StepTerms
 from ferry.sim.hardware import Hardware
@@ -273,15 +274,12 @@ def measure_steps(executor: Any, shapes: list[Shape], reps: int = 3, passes: int
     return [Sample(shape, statistics.median(t)) for shape, t in zip(shapes, times)]
 
 
-class _TimedExecutor:
+class _TimedExecutor(WrappedExecutor):
     """Wraps an executor and records how long each execute() took."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.last = 0.0
-
-    def __getattr__(self, name: str) -> Any:  # vocab_size, tokenizer, ...: the inner executor's
-        return getattr(self.inner, name)
 
     def execute(self, out: Any) -> Any:
         t0 = time.perf_counter()

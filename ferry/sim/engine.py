@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ferry.config import EngineConfig
-from ferry.engine.clock import ManualClock
+from ferry.core.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
 from ferry.executor.simulated import SimulatedExecutor
 from ferry.model.config import ModelConfig

@@ -25,7 +25,7 @@ from typing import Any
 from ferry.bench.workload import WorkloadRequest
 from ferry.config import EngineConfig
 from ferry.core.sampling_params import SamplingParams
-from ferry.engine.clock import ManualClock
+from ferry.core.clock import ManualClock
 from ferry.engine.llm_engine import LLMEngine
 from ferry.engine.metrics import RunMetrics, summarize
 from ferry.engine.outputs import RequestOutput

@@ -1,15 +1,18 @@
 """The architectures ferry runs: one module each, one registry line each.
 
-An architecture declares how to read its config.json (``configure``: the fields that differ
-from the Llama shape), its GGUF name and tensor names, whether llama.cpp permuted its q/k rows,
-and whether the fused C decode (``kernels/decode_layers.c``) can run its layers. The decoder
-(``ferry.model.llama``) composes the shared layers from those fields. Pure Python (the simulator
-reads configs without torch).
+An architecture declares how to read its config.json (``configure``: the fields that differ from
+the Llama shape, and its layers as parts, ``ferry.model.arch.parts``), its GGUF name, the names of
+its tensors where they differ from ``parts.NAMES``, whether llama.cpp permuted its q/k rows, and
+conventions such as Gemma's (1 + w) norms. The loader, tensor-parallel slicing and the decoder
+(``ferry.model.decoder``) read only these declarations. Pure Python (the simulator reads configs
+without torch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ferry.model.arch.parts import NAMES
 
 
 def _nothing(d: dict[str, Any]) -> dict[str, Any]:
@@ -25,19 +28,29 @@ class Architecture:
     hf_name: str  # config.json's ``architectures`` entry
     model_type: str  # config.json's ``model_type`` (used when ``architectures`` is absent)
     gguf_name: str | None = None  # a GGUF's ``general.architecture``
-    # config.json -> ModelConfig fields that differ from the Llama defaults (qkv_bias, qk_norm, windows...).
+    # config.json -> ModelConfig fields that differ from the Llama defaults, ``layers`` among them.
     configure: Callable[[dict[str, Any]], dict[str, Any]] = _nothing
-    # llama.cpp's per-layer tensor names that differ from the Llama ones -> the Hugging Face names
-    # ("{e}" in a name: a 3-D tensor of every expert, split into one per expert).
-    gguf_tensors: dict[str, str] = field(default_factory=dict)
+    # Tensor roles whose (Hugging Face, GGUF) names differ from parts.NAMES.
+    names: dict[str, tuple[str, str]] = field(default_factory=dict)
     gguf_permuted_qk: bool = False  # llama.cpp interleaves q/k rows for its "normal" rope (llama-like)
     # config.json fields from the GGUF's metadata (``meta(key, default)`` reads "{gguf_name}.KEY")
     # and its float tensors by Hugging Face name (it may pop those that are config, not weights).
     gguf_configure: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = _none
-    gguf_norm_shift: float = 0.0  # llama.cpp stores every norm weight plus this (Gemma's 1 + w)
-    fused_decode: bool = True  # the C decode has every operation of these layers
-    # Checkpoint tensors that hold several of ferry's, split by rows at load (Phi-3's qkv_proj).
-    checkpoint_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # RMS norms scale by (norm_offset + w) (Gemma's 1 + w); llama.cpp stores such a weight plus it.
+    norm_offset: float = 0.0
+    # Checkpoint tensors that hold several roles' rows (Phi-3's qkv_proj): Hugging Face name ->
+    # (GGUF name, the roles in row order); split at load.
+    checkpoint_fused: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+
+    def name_table(self) -> dict[str, tuple[str, str]]:
+        """Every role's (Hugging Face, GGUF) names for this architecture."""
+        return {**NAMES, **self.names}
+
+    def gguf_layer_names(self) -> dict[str, str]:
+        """llama.cpp's per-layer tensor names -> Hugging Face's, for a GGUF of this architecture."""
+        out = {gg: hf for role, (hf, gg) in self.name_table().items() if not hf.startswith(("model.", "lm_head"))}
+        out.update({gg: hf for hf, (gg, _) in self.checkpoint_fused.items()})
+        return out
 
 
 def _registry() -> dict[str, Architecture]:
@@ -49,6 +62,14 @@ def _registry() -> dict[str, Architecture]:
 
 
 ARCHITECTURES: dict[str, Architecture] = _registry()
+
+
+def register(arch: Architecture) -> Architecture:
+    """Add an architecture to the registry (its config.json name must be new)."""
+    if arch.hf_name in ARCHITECTURES:
+        raise ValueError(f"architecture {arch.hf_name!r} is already registered")
+    ARCHITECTURES[arch.hf_name] = arch
+    return arch
 
 
 def supported() -> str:

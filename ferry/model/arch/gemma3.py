@@ -3,6 +3,7 @@ norms, GeGLU, embeddings scaled by sqrt(hidden), (1 + w) RMS norms before and af
 from typing import Any, Callable
 
 from ferry.model.arch import Architecture
+from ferry.model.arch.parts import llama_layers
 
 
 def configure(d: dict[str, Any]) -> dict[str, Any]:
@@ -19,12 +20,12 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
         ropes = {"full_attention": (float(d.get("rope_theta", 1e6)), rope_scaling(d.get("rope_scaling") or {}, "config.json")),
                  "sliding_attention": (float(d.get("rope_local_base_freq", 1e4)), None)}
     window = d.get("sliding_window")
+    scale = d.get("query_pre_attn_scalar", d.get("head_dim", 256)) ** -0.5
     return {
-        "qk_norm": True, "norm_offset": 1.0, "embed_scale": d["hidden_size"] ** 0.5, "sandwich_norms": True,
-        "attn_scale": d.get("query_pre_attn_scalar", d.get("head_dim", 256)) ** -0.5,
-        "layer_windows": tuple(window if k == "sliding_attention" else None for k in kinds),
-        "layer_ropes": tuple(ropes[k] for k in kinds),
-        "final_logit_softcap": d.get("final_logit_softcapping"),
+        "layers": llama_layers(d, qk_norm=True, out_norm=True, scale=scale, bias=bool(d.get("attention_bias", False)),
+                               windows=[window if k == "sliding_attention" else None for k in kinds],
+                               ropes=[ropes[k] for k in kinds]),
+        "embed_scale": d["hidden_size"] ** 0.5, "final_logit_softcap": d.get("final_logit_softcapping"),
         "tie_word_embeddings": d.get("tie_word_embeddings", True),
         "head_dim": d.get("head_dim", 256),
     }
@@ -50,9 +51,6 @@ def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[st
     }
 
 
-ARCH = Architecture("Gemma3ForCausalLM", "gemma3_text", gguf_name="gemma3", configure=configure,
-                    gguf_norm_shift=1.0, gguf_configure=gguf_configure,
-                    gguf_tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-                                  "ffn_norm": "pre_feedforward_layernorm",
-                                  "post_attention_norm": "post_attention_layernorm",
-                                  "post_ffw_norm": "post_feedforward_layernorm"})
+# Its MLP's input norm is "pre_feedforward_layernorm"; "post_attention_layernorm" norms the attention's output.
+ARCH = Architecture("Gemma3ForCausalLM", "gemma3_text", gguf_name="gemma3", configure=configure, norm_offset=1.0,
+                    gguf_configure=gguf_configure, names={"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm")})

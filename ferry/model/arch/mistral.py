@@ -2,10 +2,12 @@
 from typing import Any
 
 from ferry.model.arch import Architecture
+from ferry.model.arch.parts import llama_layers
 
 
 def configure(d: dict[str, Any]) -> dict[str, Any]:
-    return {"sliding_window": d.get("sliding_window")}
+    windows = [d.get("sliding_window")] * d["num_hidden_layers"]
+    return {"layers": llama_layers(d, windows=windows, bias=bool(d.get("attention_bias", False)))}
 
 
 # llama.cpp writes Mistral as "llama" (no window): a GGUF of it loads as Llama.

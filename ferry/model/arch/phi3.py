@@ -3,21 +3,27 @@ checkpoint tensor and gate, up into another; longrope scaling for its long-conte
 from typing import Any, Callable
 
 from ferry.model.arch import Architecture
+from ferry.model.arch.parts import llama_layers
 
 
 def configure(d: dict[str, Any]) -> dict[str, Any]:
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if float(rope.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("Phi models with partial_rotary_factor != 1 are not supported by ferry yet")
-    out: dict[str, Any] = {"sliding_window": d.get("sliding_window")}
-    if out["sliding_window"] is not None and out["sliding_window"] >= d.get("max_position_embeddings", 0):
-        out["sliding_window"] = None  # a window as long as the model is no window
+    out: dict[str, Any] = {}
+    window = d.get("sliding_window")
+    if window is not None and window >= d.get("max_position_embeddings", 0):
+        window = None  # a window as long as the model is no window
+    ropes = None
     if rope.get("rope_type", rope.get("type")) == "longrope":
         from ferry.model.config import rope_scaling
 
         sc = dict(rope, original_max_position_embeddings=rope.get("original_max_position_embeddings")
                   or d.get("original_max_position_embeddings"))
         out["rope_scaling"] = rope_scaling(sc, "config.json")
+        ropes = [(float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0), out["rope_scaling"])] * d["num_hidden_layers"]
+    out["layers"] = llama_layers(d, windows=[window] * d["num_hidden_layers"], ropes=ropes,
+                                 bias=bool(d.get("attention_bias", False)))
     return out
 
 
@@ -38,7 +44,5 @@ def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[st
 
 ARCH = Architecture("Phi3ForCausalLM", "phi3", gguf_name="phi3", configure=configure, gguf_configure=gguf_configure,
                     # llama.cpp keeps Phi-3's fused checkpoint tensors as they are: ffn_up holds gate and up.
-                    gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                    checkpoint_fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
-                                                             "self_attn.v_proj"),
-                                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")})
+                    checkpoint_fused={"self_attn.qkv_proj": ("attn_qkv", ("q", "k", "v")),
+                                      "mlp.gate_up_proj": ("ffn_up", ("gate", "up"))})

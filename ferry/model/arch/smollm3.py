@@ -3,6 +3,7 @@ no rotary embedding on every fourth layer (``no_rope_layers``: 1 rotates, 0 does
 from typing import Any
 
 from ferry.model.arch import Architecture
+from ferry.model.arch.parts import llama_layers
 
 NO_ROPE = (0.0, {"rope_type": "none"})  # an identity rotation
 
@@ -18,8 +19,9 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
     uses = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
     window = d.get("sliding_window") if d.get("use_sliding_window") else None
     kinds = d.get("layer_types") or ["full_attention"] * n
-    return {"layer_ropes": tuple(full if u else NO_ROPE for u in uses),
-            "layer_windows": tuple(window if k == "sliding_attention" else None for k in kinds)}
+    return {"layers": llama_layers(d, ropes=[full if u else NO_ROPE for u in uses],
+                                   windows=[window if k == "sliding_attention" else None for k in kinds],
+                                   bias=bool(d.get("attention_bias", False)))}
 
 
 # llama.cpp's smollm3: a llama (q/k rows interleaved) whose every 4th layer skips rope, in its code

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "ferry_kernels.h"
 #include "quant_q8.h"
 
 #define X12(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ferry_kernels.h"
 #include "vec.h"
 #include "kv_types.h"
 #include "vmath.h"
@@ -227,16 +228,17 @@ void paged_decode_attention(const float *q, const void *k, const void *v,
     const int64_t G = Hq / Hkv;
     /* Work items: (request, range of RANGE slots); first[b] is request b's first item. With a
      * sliding window (window > 0) a request's ranges cover its last `window` positions only. */
-    int64_t *first = malloc(sizeof(int64_t) * (B + 1));
+    int64_t *first = ferry_alloc(sizeof(int64_t) * (B + 1), "decode attention's work items");
 #define LO(b) (window > 0 && lens[b] > window ? lens[b] - window : 0)
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + n_ranges(lens[b] - LO(b));
     const int64_t items = first[B];
-    int64_t *owner = malloc(sizeof(int64_t) * items);
+    int64_t *owner = ferry_alloc(sizeof(int64_t) * items, "decode attention's work items");
     for (int64_t b = 0; b < B; b++)
         for (int64_t it = first[b]; it < first[b + 1]; it++) owner[it] = b;
     /* Per item and query head: an output of D floats, a max, a sum. */
-    float *po = malloc(sizeof(float) * items * Hq * (D + 2)), *pm = po + items * Hq * D, *ps = pm + items * Hq;
+    float *po = ferry_alloc(sizeof(float) * items * Hq * (D + 2), "decode attention's partial outputs");
+    float *pm = po + items * Hq * D, *ps = pm + items * Hq;
     #pragma omp parallel
     {
         float *scores = NULL;
@@ -247,7 +249,7 @@ void paged_decode_attention(const float *q, const void *k, const void *v,
             const float *qb = q + b * Hq * D;
             if (!one_range_any(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
                                ps + it * Hq, Hkv, D, G, block_size, scale, kv)) {
-                if (!scores) scores = malloc(sizeof(float) * Hq * RANGE);
+                if (!scores) scores = ferry_alloc(sizeof(float) * Hq * RANGE, "decode attention's scores");
                 one_range_plain(qb, k, v, tables + b * max_blocks, j0, j1, po + it * Hq * D, pm + it * Hq,
                                 ps + it * Hq, G, Hkv, D, block_size, scale, scores, kv);
             }

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "ferry_kernels.h"
 #include "kv_types.h"
 #include "vec.h"
 #include "vmath.h"
@@ -117,7 +118,8 @@ ITEM_KV(item_bf16, KV_BF16)
 ITEM_KV(item_f16, KV_F16)
 ITEM_KV(item_q8_0, KV_Q8_0)
 
-/* Returns 1 when it served the call, 0 for a head size it does not take (D not a multiple of V). */
+/* Returns 1 when it served the call, 0 for a head size it does not take (D not a multiple of V), -1
+ * when out of memory (the rows of out then incomplete). */
 int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, const int64_t *slots,
                             const int64_t *spans, int64_t n_spans, float *out, int64_t Hq, int64_t Hkv, int64_t D,
                             float scale, int64_t window, int64_t kv) {
@@ -126,16 +128,23 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, con
     const attn_t a = {q, q_stride, k, v, Hq, Hkv, D, window, scale};
     /* Items: (span, KV head, V rows); first[s] is span s's first item. */
     int64_t *first = malloc(sizeof(int64_t) * (n_spans + 1));
+    if (!first) return -1;
     first[0] = 0;
     for (int64_t s = 0; s < n_spans; s++) first[s + 1] = first[s] + Hkv * ((spans[4 * s + 1] * G + V - 1) / V);
     const int64_t items = first[n_spans];
+    int failed = 0;
     #pragma omp parallel
     {
         float *buf = malloc(sizeof(float) * (2 * D * V + 2 * TK * D));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         float *qt = buf, *ot = qt + D * V, *kb = ot + D * V, *vb = kb + TK * D;
         int64_t s = 0;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
+            if (!buf) continue; /* this thread's items: the call fails as a whole */
             while (it >= first[s + 1]) s++;
             while (it < first[s]) s--;
             const int64_t *sp = spans + 4 * s, per_head = (first[s + 1] - first[s]) / Hkv;
@@ -146,5 +155,5 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, con
         free(buf);
     }
     free(first);
-    return 1;
+    return failed ? -1 : 1;
 }

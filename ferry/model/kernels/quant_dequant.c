@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ferry_kernels.h"
 #include "quant_types.h"
 
 #if defined(__AVX2__)
@@ -308,34 +309,37 @@ static void iq4_xs(const uint8_t *restrict b, float *restrict y) {
 
 #endif
 
-#define ROW(fn, block, bytes) \
-    for (int64_t k = 0; k < K; k += block, row += bytes) fn(row, out + k); \
+/* Row of K weights, block by block: fn per block, the block's size and bytes from the type's traits. */
+#define ROW(fn, type) \
+    for (int64_t k = 0; k < K; k += qt_block(type), row += qt_bytes(type)) fn(row, out + k); \
     return;
 void quant_dequant_row(const uint8_t *row, float *out, int64_t K, int64_t type) {
     switch (type) {
-        case QT_Q4_0: ROW(q4_0, 32, 18)
-        case QT_Q4_1: ROW(q4_1, 32, 20)
-        case QT_Q5_0: ROW(q5_0, 32, 22)
-        case QT_Q5_1: ROW(q5_1, 32, 24)
-        case QT_Q8_0: ROW(q8_0, 32, 34)
-        case QT_Q2_K: ROW(q2_k, 256, 84)
-        case QT_Q3_K: ROW(q3_k, 256, 110)
-        case QT_Q4_K: ROW(q4_k, 256, 144)
-        case QT_Q5_K: ROW(q5_k, 256, 176)
-        case QT_Q6_K: ROW(q6_k, 256, 210)
-        case QT_IQ4_NL: ROW(iq4_nl, 32, 18)
-        case QT_IQ4_XS: ROW(iq4_xs, 256, 136)
+        case QT_Q4_0: ROW(q4_0, QT_Q4_0)
+        case QT_Q4_1: ROW(q4_1, QT_Q4_1)
+        case QT_Q5_0: ROW(q5_0, QT_Q5_0)
+        case QT_Q5_1: ROW(q5_1, QT_Q5_1)
+        case QT_Q8_0: ROW(q8_0, QT_Q8_0)
+        case QT_Q2_K: ROW(q2_k, QT_Q2_K)
+        case QT_Q3_K: ROW(q3_k, QT_Q3_K)
+        case QT_Q4_K: ROW(q4_k, QT_Q4_K)
+        case QT_Q5_K: ROW(q5_k, QT_Q5_K)
+        case QT_Q6_K: ROW(q6_k, QT_Q6_K)
+        case QT_IQ4_NL: ROW(iq4_nl, QT_IQ4_NL)
+        case QT_IQ4_XS: ROW(iq4_xs, QT_IQ4_XS)
         default: memset(out, 0, sizeof(float) * K);  /* unreachable: quant.py checks types at load */
     }
 }
 
-/* Row i of the table (name, id, block, bytes) for quant.py's load-time check; returns the row
- * count, and fills nothing when i is past the end. */
-int64_t quant_type_row(int64_t i, char *name, int64_t *info) {
-    int64_t n = 0;
-#define FERRY_QT_ROW(nm, id, block, bytes) \
-    if (n++ == i) { strcpy(name, #nm); info[0] = id; info[1] = block; info[2] = bytes; }
-    FERRY_QUANT_TYPES(FERRY_QT_ROW)
-#undef FERRY_QT_ROW
+/* Row i of the table for quant.py's load-time check (ferry_kernels.h); returns the row count, and
+ * fills nothing when i is past the end. */
+int64_t quant_type_traits(int64_t i, ferry_qt_traits_t *out) {
+    static const int64_t ids[] = {
+#define FERRY_QT_ID(nm, id, ...) id,
+        FERRY_QUANT_TYPES(FERRY_QT_ID)
+#undef FERRY_QT_ID
+    };
+    const int64_t n = (int64_t)(sizeof(ids) / sizeof(ids[0]));
+    if (i >= 0 && i < n) *out = *qt_traits(ids[i]);
     return n;
 }

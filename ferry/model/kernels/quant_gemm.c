@@ -13,14 +13,14 @@
 #include <string.h>
 
 #include "f32_rows.h"
+#include "ferry_kernels.h"
+#include "quant_q8.h"
 #include "quant_types.h"
 #include "vec.h"
 
-void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type);
-
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T; K a multiple of the type's block (the caller checks).
  * type | FERRY_QT_Q8: activations quantized to int8 and integer dot products at every M
- * (quant_q8_tiles.c), each row's result independent of the others. */
+ * (quant_q8.c, quant_q8_packed.c), each row's result independent of the others. */
 void quant_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
     if (type & FERRY_QT_Q8) {
         quant_q8_gemm(x, w, y, M, N, K, type & ~(int64_t)FERRY_QT_Q8);

@@ -1,12 +1,19 @@
-/* What the q8 products (quant_q8_tiles.c) start from: the variant of the instruction set in use,
- * picked at first use from the CPU's features (quant_q8_isa overrides it); activations quantized per
- * block of 32 to int8 (scale amax / 127, rounded to nearest, as llama.cpp's q8_0); and a weight
- * row unpacked to int8 levels q plus, per 16 weights, a float scale a and offset b (w = a * q + b:
- * Q4_1's m, the K-quants' -dmin * min). The common types' levels are built with AVX2 from the
- * file's blocks (q8_levels.h), the others (and the portable variant) block by block in C; levels
- * are integers and scales the same float operations, so both give the same values. This file is
- * built for plain x86-64-v2 with each variant's instructions enabled by target attributes, so the
- * AVX2 variant holds no AVX-512 instruction.
+/* The q8 products' front: the variant of the instruction set in use, picked at first use from the
+ * CPU's features (quant_q8_isa overrides it); activations quantized per block of 32 to int8 (scale
+ * amax / 127, rounded to nearest, as llama.cpp's q8_0); and quant_q8_gemm, which sends weights
+ * packed by 16 rows (what a model's q8 weights are, every type: quant_q8_packed.c) to the packed
+ * products, and weights in the file's layout (tests' references) to the portable products below.
+ *
+ * The portable products define every output's order, which each packed variant follows op for op,
+ * so every variant returns their bits: each weight row unpacked to int8 levels q plus, per 16
+ * weights, a float scale a and offset b (w = a * q + b: Q4_1's m, the K-quants' -dmin * min), then
+ * over the scale groups g of its row (qt_group: 16 weights or 32), in order,
+ *     acc = fmaf((float)isum_g, a_g * dx_g, acc)    isum_g: the group's levels times x's (exact)
+ *     o   = fmaf(b_g, xsum_g, o)                    offset types; xsum_g = dx_g * (float)sum of x's
+ * and y = acc + o (offset types) or acc. A row's outputs therefore never depend on the batch it
+ * runs in. This file is built for plain x86-64-v2 with each variant's instructions enabled by
+ * target attributes (the AVX2 variant holds no AVX-512 instruction), no fused or fast float math
+ * outside the spelled-out fmaf.
  */
 #include <immintrin.h>
 #include <float.h>
@@ -17,10 +24,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "ferry_kernels.h"
 #include "quant_types.h"
 #include "quant_q8.h"
-#include "q8_levels.h"
-
 
 /* AMX-INT8 runs only where the CPU has it (CPUID 7.0 EDX bits 24, 25) and Linux lets this process
  * use the tile registers (ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once for the whole process). */
@@ -65,6 +71,31 @@ int64_t quant_q8_isa(int64_t isa) {
             if (isa_supported(order[i])) { current_isa = order[i]; break; }
     }
     return current_isa;
+}
+
+/* A K-quant or IQ4_XS super-block's per-16 scales a and offsets b from its float16 scales, already
+ * converted: d (and dmin for Q4_K / Q5_K). */
+static inline void k_scales(const uint8_t *bl, const int64_t type, float d, float dmin, float *a, float *b) {
+    if (type == QT_Q4_K || type == QT_Q5_K) {
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            qt_scale_min_k4(bl + 4, j, &sc, &mn);
+            a[2 * j] = a[2 * j + 1] = d * (float)sc;
+            b[2 * j] = b[2 * j + 1] = -(dmin * (float)mn);
+        }
+    } else if (type == QT_Q6_K) {
+        for (int g = 0; g < 16; g++) {
+            a[g] = d * (float)(int8_t)bl[192 + g];
+            b[g] = 0.f;
+        }
+    } else { /* IQ4_XS */
+        const uint16_t sh = (uint16_t)(bl[2] | (bl[3] << 8));
+        for (int j = 0; j < 8; j++) {
+            const int ls = (((bl[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+            a[2 * j] = a[2 * j + 1] = d * (float)ls;
+            b[2 * j] = b[2 * j + 1] = 0.f;
+        }
+    }
 }
 
 /* One block of weights -> int8 levels q[block] and per 16 weights a scale a and offset b. */
@@ -165,26 +196,6 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
     }
 }
 
-/* The types whose weights carry an offset b (w = a * q + b); their levels are never negative. */
-int q8_has_offset(int64_t type) {
-    return type == QT_Q4_1 || type == QT_Q5_1 || type == QT_Q2_K || type == QT_Q4_K || type == QT_Q5_K;
-}
-
-/* One block unpacked to q, a, b as unpack_block does; 0 for a type left to it. */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline int unpack_block_avx2(const uint8_t *bl, int64_t type,
-                                                                                          int8_t *q, float *a, float *b) {
-    if (fast32(type)) {
-        _mm256_storeu_si256((__m256i *)q, levels32(bl, type, a, b));
-        a[1] = a[0];
-        b[1] = b[0];
-        return 1;
-    }
-    if (!fast_k(type)) return 0;
-    block_scales_k(bl, type, a, b);
-    for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(q + 32 * c), levels_k(bl, type, c));
-    return 1;
-}
-
 /* roundf's rounding (half away from zero) by truncation, which vectorizes: v - trunc(v) is exact. */
 static inline float round_away(float v) {
     const float t = truncf(v);
@@ -235,22 +246,86 @@ __attribute__((target("avx2,fma"))) static void quant_q8_activations_avx2(const 
 }
 
 /* Row n of w -> levels q[K], and per 16 weights the scale a and offset b. */
-__attribute__((target("avx2,fma,f16c"))) static void unpack_row_avx2(const uint8_t *bl, int64_t type, int64_t K, int8_t *q,
-                                                                  float *a, float *b) {
-    const int64_t block = qt_block(type), bytes = qt_bytes(type);
-    for (int64_t k = 0; k < K; k += block, bl += bytes, q += block, a += block / 16, b += block / 16)
-        if (!unpack_block_avx2(bl, type, q, a, b)) unpack_block(bl, type, q, a, b);
-}
 static void unpack_row(const uint8_t *bl, int64_t type, int64_t K, int8_t *q, float *a, float *b) {
     const int64_t block = qt_block(type), bytes = qt_bytes(type);
     for (int64_t k = 0; k < K; k += block, bl += bytes, q += block, a += block / 16, b += block / 16)
         unpack_block(bl, type, q, a, b);
 }
 
-/* Shared with quant_q8_tiles.c (quant_q8.h): one activation row quantized, one weight row unpacked. */
-void q8_quantize_row(const float *x, int64_t K, int8_t *q, float *dx, int portable) {
-    (portable ? quant_q8_activations : quant_q8_activations_avx2)(x, K, q, dx);
+/* M activation rows quantized (quant_q8.h). */
+void q8_quantize_rows(const float *x, int64_t M, int64_t K, int gs, int portable, int want_u, int want_sum,
+                      int bsum_gs, xrows_t *r) {
+    r->K = K, r->nb = K / 32, r->ng = K / gs;
+    r->q = ferry_alloc((size_t)(M * K), "q8 activation levels");
+    r->u = ferry_alloc((size_t)(M * K), "q8 activation levels");
+    r->dx = ferry_alloc(sizeof(float) * (size_t)(M * r->nb), "q8 activation scales");
+    r->xsum = ferry_alloc(sizeof(float) * (size_t)(M * r->ng), "q8 activation sums");
+    r->bsum = bsum_gs ? ferry_alloc(sizeof(int32_t) * (size_t)(M * (K / bsum_gs)), "q8 activation sums") : NULL;
+    #pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = r->q + m * K;
+        (portable ? quant_q8_activations : quant_q8_activations_avx2)(x + m * K, K, q, r->dx + m * r->nb);
+        if (want_u)
+            for (int64_t k = 0; k < K; k++) r->u[m * K + k] = (uint8_t)(q[k] ^ 0x80);
+        for (int64_t g = 0; want_sum && g < r->ng; g++) {
+            int32_t s = 0;
+            for (int i = 0; i < gs; i++) s += q[g * gs + i];
+            r->xsum[m * r->ng + g] = r->dx[m * r->nb + g * gs / 32] * (float)s;
+        }
+        for (int64_t blk = 0; bsum_gs && blk < K / bsum_gs; blk++) {
+            int32_t s = 0;
+            for (int i = 0; i < bsum_gs; i++) s += q[blk * bsum_gs + i];
+            r->bsum[m * (K / bsum_gs) + blk] = s;
+        }
+    }
 }
-void q8_unpack_row(const uint8_t *row, int64_t type, int64_t K, int8_t *q, float *a, float *b, int portable) {
-    (portable ? unpack_row : unpack_row_avx2)(row, type, K, q, a, b);
+
+void q8_free_rows(xrows_t *r) { free(r->q); free(r->u); free(r->dx); free(r->xsum); free(r->bsum); }
+
+/* The order above, one weight row and one activation row at a time. */
+void q8_rows_portable(const uint8_t *w, int64_t row_bytes, int64_t type, const xrows_t *x, float *y,
+                      int64_t M, int64_t N) {
+    const int64_t K = x->K, G16 = K / 16;
+    const int gs = qt_group(type), offset = qt_offset(type);
+    #pragma omp parallel
+    {
+        int8_t *q = ferry_alloc((size_t)K, "a weight row's levels");
+        float *a = ferry_alloc(sizeof(float) * (size_t)G16, "a weight row's scales");
+        float *b = ferry_alloc(sizeof(float) * (size_t)G16, "a weight row's offsets");
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            unpack_row(w + n * row_bytes, type, K, q, a, b);
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *xq = x->q + m * K;
+                float acc = 0.f, o = 0.f;
+                for (int64_t g = 0; g < x->ng; g++) {
+                    int32_t s = 0;
+                    for (int i = 0; i < gs; i++) s += (int32_t)q[g * gs + i] * xq[g * gs + i];
+                    const float t = a[g * gs / 16] * x->dx[m * x->nb + g * gs / 32];
+                    acc = fmaf((float)s, t, acc);
+                    if (offset) o = fmaf(b[g * gs / 16], x->xsum[m * x->ng + g], o);
+                }
+                y[m * N + n] = offset ? acc + o : acc;
+            }
+        }
+        free(q); free(a); free(b);
+    }
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T in q8 mode (quant_gemm's FERRY_QT_Q8 products, any M). */
+void quant_q8_gemm(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t type) {
+    const int64_t isa = quant_q8_isa(-2), packed = type & FERRY_QT_PACKED;
+    type &= ~(int64_t)FERRY_QT_PACKED;
+    if (M == 0 || (packed && q8_packed_index(type, NULL) < 0)) return; /* Python packs only the table's types */
+    xrows_t xr;
+    if (packed) {
+        int want_u, want_sum, bsum_gs;
+        q8_packed_needs(type, isa, &want_u, &want_sum, &bsum_gs);
+        q8_quantize_rows(x, M, K, qt_group(type), isa == ISA_PORTABLE, want_u, want_sum, bsum_gs, &xr);
+        q8_packed_gemm(w, type, &xr, y, M, N, isa);
+    } else { /* the file's layout: the portable products, the reference the packed ones are held to */
+        q8_quantize_rows(x, M, K, qt_group(type), isa == ISA_PORTABLE, 0, qt_offset(type), 0, &xr);
+        q8_rows_portable(w, K / qt_block(type) * qt_bytes(type), type, &xr, y, M, N);
+    }
+    q8_free_rows(&xr);
 }

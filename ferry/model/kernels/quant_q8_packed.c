@@ -2,10 +2,10 @@
  * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS.
  *
  * The file's layout keeps a row's blocks together, so a vector of levels holds 32 weights of ONE
- * row, and every product ends in sums across lanes (direct8's hadd tree) or a turned copy (the
- * tiles). Packed, dword n of a 64-byte line holds four weights of row n: the lanes are the rows, so
- * one broadcast of four activation bytes multiplies 16 (or 8) rows at once and everything after it
- * is lane by lane, with nothing turned at run time (llama.cpp packs its AMX build's weights so).
+ * row, and every product would end in sums across lanes or a turned copy of the levels. Packed,
+ * dword n of a 64-byte line holds four weights of row n: the lanes are the rows, so one broadcast
+ * of four activation bytes multiplies 16 (or 8) rows at once and everything after it is lane by
+ * lane, with nothing turned at run time (llama.cpp packs its AMX build's weights so).
  * Layout (LAYOUTS below, the one definition; quant.py reads it through q8_packed_index): per group
  * of 16 rows g and block b, one record of 16 x the block's bytes at (g * blocks per row + b) * record:
  *     the block's quant byte ranges, each as lines of 64 bytes: [64 L + 4 n + i] = byte 4L + i of
@@ -15,8 +15,8 @@
  * Bytes are a permutation of the file's (the last group's missing rows zero), so resident size is
  * the file's. Levels are the file's: Q8_0 / IQ4_NL / IQ4_XS's signed as they are, the others as unsigned
  * bits (Q4_0 / Q5_0 / Q3_K / Q6_K's being level + 8 / 16 / 4 / 32, the shift times the group's activation sum
- * taken back from the exact integer sum). So each output follows quant_q8_tiles.c's order, op for
- * op: the same bits as the file layout's products.
+ * taken back from the exact integer sum). So each output follows the portable products' order
+ * (quant_q8.c), op for op: the same bits as the file layout's products.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ferry_kernels.h"
 #include "quant_q8.h"
 #include "quant_types.h"
 
@@ -87,20 +88,15 @@ static inline int32_t dword_at(const void *p) {
     return v;
 }
 
-/* Per type, constants the kernels fold: blocks of 32 per record, the record's field offsets. */
-static inline int k_type(int64_t t) {
-    return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_Q6_K || t == QT_IQ4_XS;
-}
-static inline int chunks_of(int64_t t) { return k_type(t) ? 8 : 1; }
-static inline int signed_levels(int64_t t) { return t == QT_Q8_0 || t == QT_IQ4_NL || t == QT_IQ4_XS; }
+/* Per type, constants the kernels fold (the type is a constant in every pass): the traits of
+ * quant_types.h (qt_k, qt_offset: a min per block, qt_signed: levels stored signed, qt_shift: the
+ * unsigned levels' shift, taken back as shift x the group's activation sum, qt_group), then the
+ * packed record's own facts. Blocks of 32 per record: */
+static inline int chunks_of(int64_t t) { return qt_k(t) ? 8 : 1; }
 static inline int iq4(int64_t t) { return t == QT_IQ4_NL || t == QT_IQ4_XS; }
-static inline int has_m(int64_t t) { return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K; }
 static inline int has_qh(int64_t t) { return t == QT_Q5_0 || t == QT_Q5_1; }
 /* A 32-chunk's levels as 16 bytes of nibbles, the low ones first (not the K-quants' order). */
 static inline int nibble_pairs(int64_t t) { return t == QT_Q4_0 || t == QT_Q4_1 || has_qh(t) || iq4(t); }
-static inline int gs_of(int64_t t) { return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q6_K ? 16 : 32; }
-/* The unsigned levels' shift: taken back as shift x the group's activation sum. */
-static inline int shift_of(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : t == QT_Q3_K ? 4 : t == QT_Q6_K ? 32 : 0; }
 static inline int lines_bytes(int64_t t) {
     switch (t) {
         case QT_Q8_0: return 512;
@@ -117,16 +113,16 @@ static inline int lines_bytes(int64_t t) {
 static inline int scales_first(int64_t t) { return t == QT_Q2_K || t == QT_Q3_K || t == QT_Q6_K; }
 static inline int d_at(int64_t t) { return lines_bytes(t) + (t == QT_Q3_K ? 192 : scales_first(t) ? 256 : 0); }
 static inline int m_at(int64_t t) { return d_at(t) + 32; } /* Q4_1 / Q5_1's m, K-quants' dmin */
-static inline int qh_at(int64_t t) { return d_at(t) + 32 + 32 * has_m(t); }
+static inline int qh_at(int64_t t) { return d_at(t) + 32 + 32 * qt_offset(t); }
 static inline int u_at(int64_t t) { return scales_first(t) ? lines_bytes(t) : d_at(t) + 64; } /* K scale dwords */
 
-/* The portable variant: the rows gathered back into the file's blocks, then quant_q8_tiles.c's
+/* The portable variant: the rows gathered back into the file's blocks, then quant_q8.c's
  * portable products (a reference path: the copy costs nothing that matters). */
 static void packed_portable(const uint8_t *w, int64_t type, const xrows_t *x, float *y, int64_t M, int64_t N) {
     const int64_t b = qt_bytes(type), bpr = x->K / qt_block(type), RB = 16 * b;
     int64_t idx[16 * 210]; /* 210: the largest block (Q6_K) */
     q8_packed_index(type, idx);
-    uint8_t *rows = malloc((size_t)(N * bpr * b));
+    uint8_t *rows = ferry_alloc((size_t)(N * bpr * b), "a packed weight's rows in the file's layout");
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t blk = 0; blk < bpr; blk++)
@@ -151,7 +147,7 @@ static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
  * 24-34, Q6_K 9-15 -> 17-35. The 32-blocks' short records are read in order and the hardware
  * prefetcher follows them: asking for the group two ahead measured no faster (within 1.05x). */
 static inline void prefetch_ahead(const uint8_t *rec, int64_t RB, int64_t T) {
-    if (k_type(T)) prefetch_span(rec + RB, RB);
+    if (qt_k(T)) prefetch_span(rec + RB, RB);
 }
 
 #define ISA_512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
@@ -187,7 +183,7 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
                 v[L] = _mm512_or_si512(v[L], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, c), one), 4));
             }
         }
-    } else if (T == QT_Q6_K) { /* element half * 128 + s * 32 + l, as levels_k */
+    } else if (T == QT_Q6_K) { /* element half * 128 + s * 32 + l, as unpack_block */
         const int half = c / 4, s = c % 4;
         for (int L = 0; L < 8; L++) {
             const __m512i l = _mm512_loadu_si512(rec + 64 * (16 * half + 8 * (s % 2) + L));
@@ -219,7 +215,7 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
 }
 
 /* Chunk c's scales with 16 lanes: A[0] and the offset B[0] (A[1], B[1]: a 16-group type's second
- * group), as unpack_block / levels32 / kscales8 compute them. */
+ * group), as unpack_block / k_scales compute them. */
 __attribute__((target(ISA_512), always_inline)) static inline void scales16(const uint8_t *rec, const int64_t T, int c,
                                                                             __m512 *A, __m512 *B) {
     const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_at(T))));
@@ -269,7 +265,7 @@ __attribute__((target(ISA_512), always_inline)) static inline void scales16(cons
         A[1] = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 16 - 8 * b0), 24)));
     } else {
         A[0] = D;
-        if (has_m(T)) B[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
+        if (qt_offset(T)) B[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + m_at(T))));
     }
 }
 
@@ -281,7 +277,7 @@ __attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
         const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR, int64_t N,
         int nr, const int64_t T, const uint8_t *ahead, const uint8_t *lv) {
     const int64_t K = x->K;
-    const int OFF = has_m(T), SH = signed_levels(T) ? 128 : shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
+    const int OFF = qt_offset(T), SH = qt_signed(T) ? 128 : qt_shift(T), CH = chunks_of(T), G2 = qt_group(T) == 16;
     __m512 acc[R], o[R];
     for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm512_setzero_ps();
     for (int64_t e = 0; e < nrec; e++) {
@@ -428,7 +424,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scale
         A[1] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(u, 16 - 8 * b0), 24)));
     } else {
         A[0] = D;
-        if (has_m(T)) B[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
+        if (qt_offset(T)) B[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(T) + 16 * h)));
     }
 }
 
@@ -436,7 +432,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scale
  * products each, activations up to 127) before madd widens them; a 16-group's 4 at most, whose sum
  * stays its own. */
 static inline int flush_of(int64_t t) {
-    return t == QT_Q6_K ? 2 : t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K || gs_of(t) == 16 ? 4 : 8;
+    return t == QT_Q6_K ? 2 : t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K || qt_group(t) == 16 ? 4 : 8;
 }
 
 /* packed16_of with 8 lanes: maddubs's int16 pairs, `flush` vectors at a time, then one madd;
@@ -447,7 +443,7 @@ static inline int flush_of(int64_t t) {
             const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, const int MR,   \
             int64_t N, int nr, const int64_t T, const uint8_t *ahead, const uint8_t *lv) {                       \
         const int64_t K = x->K;                                                                                \
-        const int HS = MR == 1 ? 2 : 1, OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16; \
+        const int HS = MR == 1 ? 2 : 1, OFF = qt_offset(T), SH = qt_shift(T), CH = chunks_of(T), G2 = qt_group(T) == 16; \
         const int FL = flush_of(T);                                                                            \
         const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);                              \
         for (int h0 = 0; h0 < 2 && 8 * h0 < nr; h0 += HS) {                                                    \
@@ -470,7 +466,7 @@ static inline int flush_of(int64_t t) {
                         else                                                                                   \
                             levels8(rec, T, c, h, v);                                                          \
                         scales8(rec, T, c, h, A, B);                                                           \
-                        if (VNNI && signed_levels(T)) {                                                        \
+                        if (VNNI && qt_signed(T)) {                                                        \
                             for (int j = 0; j < 8; j++) w128 = _mm256_dpbusd_avx_epi32(w128, ones8, v[j]);     \
                             w128 = _mm256_slli_epi32(w128, 7);                                                 \
                         }                                                                                      \
@@ -482,10 +478,10 @@ static inline int flush_of(int64_t t) {
                             for (int j = 0; j < 8; j++) {                                                      \
                                 const int g = G2 && j >= 4;                                                    \
                                 const __m256i xb = _mm256_set1_epi32(dword_at(xq + k_at(T, j)));               \
-                                if (VNNI && signed_levels(T))                                                  \
+                                if (VNNI && qt_signed(T))                                                  \
                                     s[g] = _mm256_dpbusd_avx_epi32(s[g], _mm256_set1_epi32(dword_at(xu + k_at(T, j))), v[j]); \
                                 else if (VNNI) s[g] = _mm256_dpbusd_avx_epi32(s[g], v[j], xb);                  \
-                                else if (signed_levels(T))                                                     \
+                                else if (qt_signed(T))                                                     \
                                     s[g] = _mm256_add_epi32(s[g], _mm256_madd_epi16(_mm256_maddubs_epi16(      \
                                             _mm256_abs_epi8(v[j]), _mm256_sign_epi8(xb, v[j])), ones16));     \
                                 else {                                                                         \
@@ -496,7 +492,7 @@ static inline int flush_of(int64_t t) {
                                     }                                                                          \
                                 }                                                                              \
                             }                                                                                  \
-                            if (VNNI && signed_levels(T)) s[0] = _mm256_sub_epi32(s[0], w128);                 \
+                            if (VNNI && qt_signed(T)) s[0] = _mm256_sub_epi32(s[0], w128);                 \
                             const __m256 dx = _mm256_set1_ps(x->dx[m * x->nb + blk]);                          \
                             for (int g = 0; g <= G2; g++) {                                                    \
                                 __m256i si = s[g];                                                             \
@@ -672,7 +668,7 @@ __attribute__((target(ISA_AMX_T))) static void amx_config(int mr, int g2) {
         _tile_zero(C0);                                                         \
         _tile_loadd(TA, xq, K);                                                 \
         _tile_loadd(TB, lvp, 64);                                               \
-        if (signed_levels(T)) _tile_dpbssd(C0, TA, TB); else _tile_dpbsud(C0, TA, TB); \
+        if (qt_signed(T)) _tile_dpbssd(C0, TA, TB); else _tile_dpbsud(C0, TA, TB); \
         _tile_stored(C0, csp[0], 64);                                           \
         if (G2) {                                                               \
             _tile_zero(C1);                                                     \
@@ -698,7 +694,7 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
         const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr, int64_t N,
         int nr, const int64_t T, const uint8_t *ahead) {
     const int64_t K = x->K, nq = nrec * chunks_of(T);
-    const int OFF = has_m(T), SH = shift_of(T), CH = chunks_of(T), G2 = gs_of(T) == 16;
+    const int OFF = qt_offset(T), SH = qt_shift(T), CH = chunks_of(T), G2 = qt_group(T) == 16;
     __m512 acc[16], o[16], sa[2][2], sb[2][2];
     uint8_t lv[AMX_AHEAD][512] __attribute__((aligned(64)));
     int32_t cs[2][2][16][16] __attribute__((aligned(64)));
@@ -786,10 +782,10 @@ static uint8_t *levels_buffer(size_t bytes) {
 /* What q8_packed_gemm needs of the activations (q8_quantize_rows's flags; bsum per scale group for
  * the shifted and the flipped levels). */
 void q8_packed_needs(int64_t type, int64_t isa, int *want_u, int *want_sum, int *bsum_gs) {
-    const int flipped = signed_levels(type) && (isa == ISA_AVX512VNNI || isa == ISA_AMX); /* packed16_of's */
-    *want_u = signed_levels(type) && isa == ISA_AVXVNNI;
-    *want_sum = has_m(type);
-    *bsum_gs = shift_of(type) || flipped ? gs_of(type) : 0;
+    const int flipped = qt_signed(type) && (isa == ISA_AVX512VNNI || isa == ISA_AMX); /* packed16_of's */
+    *want_u = qt_signed(type) && isa == ISA_AVXVNNI;
+    *want_sum = qt_offset(type);
+    *bsum_gs = qt_shift(type) || flipped ? qt_group(type) : 0;
 }
 
 /* y[M, N] = x @ w^T for a packed weight w, x quantized as q8_packed_needs says. */
@@ -822,7 +818,7 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                 const int amx = isa == ISA_AMX && M - m0 >= AMX_ROWS;
                 rm = amx ? 16 : R;
                 const int mr = M - m0 < rm ? (int)(M - m0) : (int)rm;
-                if (amx && tile_rows != mr) amx_config(tile_rows = mr, gs_of(type) == 16);
+                if (amx && tile_rows != mr) amx_config(tile_rows = mr, qt_group(type) == 16);
                 for (int64_t g = c0; g < c1; g++) {
                     const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
                     (amx ? packed_amx : mr == 1 ? ONE[isa] : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,

@@ -1,43 +1,103 @@
-/* The GGUF types ferry keeps quantized: one row each, the one C definition of the table that
- * ferry/model/quant.py's QUANT_TYPES mirrors (it checks each row against quant_type_row at load).
- * X(name, GGML type id = the kernels' type id, weights per block, bytes per block). Weights stay in
- * the file's own blocks (float16 scales), so resident bytes equal the file's. */
+/* The GGUF types ferry keeps quantized: one row of traits each, the one C definition of the facts
+ * every kernel reads (block sizes, scale groups, offsets, level shifts, where the scales sit), which
+ * ferry/model/quant.py's QUANT_TYPES mirrors (it checks each row against quant_type_traits at
+ * load). Weights stay in the file's own blocks (float16 scales), so resident bytes equal the file's.
+ * X(name, GGML type id = the kernels' type id, weights per block, bytes per block, q8 scale group,
+ *   offset, level shift, byte offset of d): ferry_kernels.h's ferry_qt_traits_t says what each is. */
 #ifndef FERRY_QUANT_TYPES_H
 #define FERRY_QUANT_TYPES_H
 #include <stdint.h>
 #include <string.h>
 
-#define FERRY_QUANT_TYPES(X) \
-    X(Q4_0, 2, 32, 18)       \
-    X(Q4_1, 3, 32, 20)       \
-    X(Q5_0, 6, 32, 22)       \
-    X(Q5_1, 7, 32, 24)       \
-    X(Q8_0, 8, 32, 34)       \
-    X(Q2_K, 10, 256, 84)     \
-    X(Q3_K, 11, 256, 110)    \
-    X(Q4_K, 12, 256, 144)    \
-    X(Q5_K, 13, 256, 176)    \
-    X(Q6_K, 14, 256, 210)    \
-    X(IQ4_NL, 20, 32, 18)    \
-    X(IQ4_XS, 23, 256, 136)
+#include "ferry_kernels.h"
 
-#define FERRY_QT_ENUM(name, id, block, bytes) QT_##name = id,
+#define FERRY_QUANT_TYPES(X)                     \
+    X(Q4_0,    2,  32,  18, 32, 0,  8,   0)       \
+    X(Q4_1,    3,  32,  20, 32, 1,  0,   0)       \
+    X(Q5_0,    6,  32,  22, 32, 0, 16,   0)       \
+    X(Q5_1,    7,  32,  24, 32, 1,  0,   0)       \
+    X(Q8_0,    8,  32,  34, 32, 0,  0,   0)       \
+    X(Q2_K,   10, 256,  84, 16, 1,  0,  80)       \
+    X(Q3_K,   11, 256, 110, 16, 0,  4, 108)       \
+    X(Q4_K,   12, 256, 144, 32, 1,  0,   0)       \
+    X(Q5_K,   13, 256, 176, 32, 1,  0,   0)       \
+    X(Q6_K,   14, 256, 210, 16, 0, 32, 208)       \
+    X(IQ4_NL, 20,  32,  18, 32, 0,  0,   0)       \
+    X(IQ4_XS, 23, 256, 136, 32, 0,  0,   0)
+
+#define FERRY_QT_ENUM(name, id, ...) QT_##name = id,
 enum { FERRY_QUANT_TYPES(FERRY_QT_ENUM) };
 #undef FERRY_QT_ENUM
 
+/* The rows indexed by type id (ids not in the table: a row of zeros), as quant_type_traits exports
+ * them. The kernels read the same rows through the accessors below, generated from the table. */
+enum { FERRY_QT_IDS = 24 };
+#define FERRY_QT_ROW(nm, id, block, bytes, group, offset, shift, d_at) \
+    [id] = {#nm, id, block, bytes, group, offset, shift, d_at},
+static const ferry_qt_traits_t FERRY_QT_TRAITS[FERRY_QT_IDS] = {FERRY_QUANT_TYPES(FERRY_QT_ROW)};
+#undef FERRY_QT_ROW
+#define FERRY_QT_CHECK(nm, id, block, bytes, group, ...)                                      \
+    _Static_assert(id > 0 && id < FERRY_QT_IDS && (block == 32 || block == 256) && (group == 16 || group == 32), \
+                   #nm ": an id the table indexes, blocks of 32 or 256, scale groups of 16 or 32");
+FERRY_QUANT_TYPES(FERRY_QT_CHECK)
+#undef FERRY_QT_CHECK
+
+static inline const ferry_qt_traits_t *qt_traits(int64_t type) {
+    return &FERRY_QT_TRAITS[(uint64_t)type < FERRY_QT_IDS ? type : 0];
+}
 /* Weights per block and bytes per block of a type id (0 for an unknown id). */
 static inline int64_t qt_block(int64_t type) {
-#define FERRY_QT_CASE(name, id, block, bytes) case id: return block;
+#define FERRY_QT_CASE(nm, id, block, ...) case id: return block;
     switch (type) { FERRY_QUANT_TYPES(FERRY_QT_CASE) default: return 0; }
 #undef FERRY_QT_CASE
 }
 static inline int64_t qt_bytes(int64_t type) {
-#define FERRY_QT_CASE(name, id, block, bytes) case id: return bytes;
+#define FERRY_QT_CASE(nm, id, block, bytes, ...) case id: return bytes;
+    switch (type) { FERRY_QUANT_TYPES(FERRY_QT_CASE) default: return 0; }
+#undef FERRY_QT_CASE
+}
+/* Byte offset of a block's float16 scale d (an offset type's min follows it). */
+static inline int64_t qt_d_at(int64_t type) {
+#define FERRY_QT_CASE(nm, id, block, bytes, group, offset, shift, d_at) case id: return d_at;
     switch (type) { FERRY_QUANT_TYPES(FERRY_QT_CASE) default: return 0; }
 #undef FERRY_QT_CASE
 }
 
-#define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8_tiles.c) */
+/* The kernels' per-type predicates, as chains of comparisons over the rows in the table's order
+ * ("t == QT_Q4_1 || t == QT_Q5_1 || ..." once the rows' constants fold): a constant type folds
+ * as early as hand-written comparisons, so the passes compiled per type keep their code. */
+/* A K-quant (or IQ4_XS): super-blocks of 256 weights, 8 chunks of 32. */
+static inline int qt_k(int64_t t) {
+#define FERRY_QT_OR(nm, id, block, ...) || (t == id && block == 256)
+    return 0 FERRY_QUANT_TYPES(FERRY_QT_OR);
+#undef FERRY_QT_OR
+}
+/* 1 where w = a q + b (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K): levels never negative, a min after d. */
+static inline int qt_offset(int64_t t) {
+#define FERRY_QT_OR(nm, id, block, bytes, group, offset, ...) || (t == id && offset)
+    return 0 FERRY_QUANT_TYPES(FERRY_QT_OR);
+#undef FERRY_QT_OR
+}
+/* Levels stored signed, as they are (Q8_0's int8, IQ4's table): neither offset nor shift. */
+static inline int qt_signed(int64_t t) {
+#define FERRY_QT_OR(nm, id, block, bytes, group, offset, shift, d_at) || (t == id && !offset && !shift)
+    return 0 FERRY_QUANT_TYPES(FERRY_QT_OR);
+#undef FERRY_QT_OR
+}
+/* Weights per scale group of the q8 products: 16 (Q2_K, Q3_K, Q6_K) or 32. */
+static inline int qt_group(int64_t t) {
+#define FERRY_QT_OR(nm, id, block, bytes, group, ...) || (t == id && group == 16)
+    return 0 FERRY_QUANT_TYPES(FERRY_QT_OR) ? 16 : 32;
+#undef FERRY_QT_OR
+}
+/* Stored levels are the level plus this (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32), else 0. */
+static inline int qt_shift(int64_t t) {
+#define FERRY_QT_IF(nm, id, block, bytes, group, offset, shift, d_at) t == id && shift ? shift :
+    return FERRY_QUANT_TYPES(FERRY_QT_IF) 0;
+#undef FERRY_QT_IF
+}
+
+#define FERRY_QT_Q8 256 /* a product's type id | this: activations quantized to int8 (quant_q8.c) */
 #define FERRY_QT_PACKED 512 /* | this (with FERRY_QT_Q8): the weight is packed by 16 rows (quant_q8_packed.c) */
 
 /* Q4_K / Q5_K: sub-block j's six-bit scale and min, 8 of each packed in 12 bytes at s. */

@@ -4,6 +4,7 @@
  * written once, while it is in cache. */
 #include <stdint.h>
 
+#include "ferry_kernels.h"
 #include "row_ops.h"
 
 /* Below this many rows one thread does it: waking the pool costs more than the work. */

@@ -6,6 +6,7 @@
  * in cache (f32_rows.h). Rows of w are split across threads with OpenMP (torch's own runtime).
  */
 #include "f32_rows.h"
+#include "ferry_kernels.h"
 
 void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
     #pragma omp parallel for schedule(static)

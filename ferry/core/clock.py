@@ -1,5 +1,8 @@
 """The engine's clock. Every timestamp in ferry comes from one of these, so a
-simulated clock can stand in for the wall clock without touching the engine."""
+simulated clock can stand in for the wall clock without touching the engine.
+
+Here, below the engine and the executors, because both read it (the simulated executor moves a
+``ManualClock`` by each step's modelled time)."""
 from __future__ import annotations
 
 import time

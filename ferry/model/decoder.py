@@ -1,0 +1,218 @@
+"""The decoder every registered architecture (``ferry.model.arch``) is: an embedding, layers built
+from the parts its declaration names (``ferry.model.layers``), a final norm and the LM head, on
+packed tokens.
+
+One forward pass takes every scheduled token of every request as one flat sequence with no
+padding. Each layer is residual blocks, x += out_norm(part(norm(x))); projections are fused (qkv,
+gate+up) so a part is a few large matrix products; logits are computed only for the rows that
+sample. A decode-only step of few rows runs every layer as one C call (``ferry.model.fused_decode``)
+when every part has its ops there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ferry.model.attention import AttentionMetadata
+from ferry.model.config import ModelConfig
+from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode, NotFused, Op, Segment
+from ferry.model.kernels import kernels_usable
+from ferry.model.layers import PARTS
+from ferry.model.layers.context import StepContext
+from ferry.model.layers.linear import Weight, linear
+from ferry.model.layers.norm import rms_norm
+from ferry.model.layers.rope import rope_tables
+from ferry.model.quant import QuantWeight, dequantize, packed
+from ferry.model.tensor_parallel import Collectives, ShardPlan
+from ferry.model.weights import WeightTaker
+
+
+@dataclass
+class ForwardOutput:
+    """What a forward pass gives the sampler."""
+
+    logits: torch.Tensor  # float32 [sampling rows, vocab]
+    # Scored prompt rows' final normed hidden states, which ``DecoderModel.project`` turns into logits
+    # a block at a time; already logits when ``prompt_projected`` (tensor parallelism).
+    prompt_rows: torch.Tensor | None = None
+    pool_rows: torch.Tensor | None = None  # embedding requests' final normed hidden states
+    prompt_projected: bool = False
+
+
+def _no_tick(part: str) -> None:
+    """The step timer's hook when nobody profiles (``ferry.executor.base.StepTimer``)."""
+
+
+@dataclass
+class Residual:
+    """x += out_norm(part(norm(x))), the part's output all-reduced first under tensor parallelism."""
+
+    norm: torch.Tensor
+    part: Any
+    out_norm: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: Any) -> torch.Tensor:
+        h = rms_norm(x, self.norm, ctx.eps, ctx.use_kernel)
+        ctx.tick("norm")
+        o = self.part.forward(h, ctx, cache)
+        o = o if ctx.comm is None else ctx.comm.all_reduce(o)
+        x = x + (o if self.out_norm is None else rms_norm(o, self.out_norm, ctx.eps, ctx.use_kernel))
+        ctx.tick(self.part.end)
+        return x
+
+    def segment(self, ctx: StepContext, cache: Any) -> Segment:
+        """Its ops for the fused decode, the part's output left in "out"."""
+        return Segment([Op("norm", "x", "h", "norm", w=self.norm)] + self.part.ops(ctx, cache), self.out_norm)
+
+
+@dataclass
+class DecoderLayer:
+    blocks: list[Residual]  # the mixer's, then the MLP's
+
+    @property
+    def mixer(self) -> Any:
+        return self.blocks[0].part
+
+    @property
+    def mlp(self) -> Any:
+        return self.blocks[-1].part
+
+
+@dataclass
+class PartFacts:
+    """What a part's build reads about the model beyond its own weights."""
+
+    heads: tuple[int, int, int]  # this rank's (query heads, KV heads, head size)
+    rope_index: Callable[[tuple[float, Any]], int]
+
+
+class DecoderModel:
+    """Weights plus a forward pass over a packed batch; the KV cache is passed in.
+
+    With ``plan`` and ``comm`` (tensor parallelism, ``ferry.model.tensor_parallel``) it holds one
+    rank's shard and joins the ranks' partial results with ``comm``; every rank runs ``forward``
+    on the same batch and gets the same logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype,
+                 max_len: int, device: torch.device | str = "cpu", plan: ShardPlan | None = None,
+                 comm: Collectives | None = None) -> None:
+        self.cfg = cfg
+        self.plan = plan if plan is not None else ShardPlan.make(cfg, 0, 1)
+        self.comm = comm if self.plan.world > 1 else None
+        self.dtype = dtype
+        self.device = device = torch.device(device)
+        # The step timer (``ferry.executor.base.StepTimer``), when one is on: told the name of each
+        # part of the forward pass as it ends.
+        self.profiler: Any = None
+        take = WeightTaker(cfg, weights, self.plan, dtype, device)
+        tied = cfg.tie_word_embeddings or not take.has("lm_head.weight")
+        # Packed for the LM head's products when tied; lookups gather their rows from the records.
+        self.embed = take.model_tensor("embed")
+        self.embed = packed(self.embed) if tied else self.embed
+        self.lm_head = self.embed if tied else packed(take.model_tensor("lm_head"))
+        self.norm = take.model_tensor("final_norm")
+        # One rope table per distinct (theta, scaling) among the layers (Gemma: its local and global bases).
+        distinct: list[tuple[float, Any]] = []
+        for layer in cfg.layers:
+            if layer.mixer.rope not in distinct:
+                distinct.append(layer.mixer.rope)
+        self.ropes = []
+        for theta, scaling in distinct:
+            cos, sin = rope_tables(cfg.head_dim, theta, scaling, cfg.max_position_embeddings, max_len)
+            self.ropes.append((cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)))
+        self.num_heads, self.num_kv_heads = self.plan.num_heads, self.plan.num_kv_heads
+        facts = PartFacts((self.num_heads, self.num_kv_heads, cfg.head_dim), distinct.index)
+        self.layers = [self._layer(take.layer(i), facts) for i in range(cfg.num_layers)]
+        self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
+        # The kernels take any K (quantized weights come in whole blocks) and any head size; a
+        # tensor-parallel rank runs each residual block's ops in C with its all-reduces between them.
+        self.fused = None
+        if self.use_kernel and self._compile_ops(None) is not None:
+            self.fused = FusedDecode(self._compile_ops, cfg.hidden_size, facts.heads, cfg.rms_norm_eps, self.comm)
+
+    def _layer(self, w: dict[str, Any], facts: PartFacts) -> DecoderLayer:
+        spec = w["spec"]
+        mixer = Residual(w["input_norm"], PARTS[spec.mixer.kind](spec.mixer, w, facts), w.get("attn_out_norm"))
+        mlp = Residual(w["mlp_norm"], PARTS[spec.mlp.kind](spec.mlp, w, facts), w.get("mlp_out_norm"))
+        return DecoderLayer([mixer, mlp])
+
+    def _context(self, positions: torch.Tensor, meta: AttentionMetadata | None, tick: Callable[[str], None]
+                 ) -> StepContext:
+        return StepContext(positions, meta, self.use_kernel, self.cfg.rms_norm_eps, tick, self.ropes, comm=self.comm)
+
+    def _compile_ops(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[Segment] | None:
+        """Every block's ops in order (None: some part has no op in the C decode). Without caches it
+        only checks that every part has its ops."""
+        ctx = self._context(torch.empty(0, dtype=torch.int64), None, _no_tick)
+        caches = kv_caches or [(torch.empty(0), torch.empty(0))] * len(self.layers)
+        try:
+            return [block.segment(ctx, cache) for layer, cache in zip(self.layers, caches) for block in layer.blocks]
+        except NotFused:
+            return None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+                prompt_indices: torch.Tensor | None = None, pool_indices: torch.Tensor | None = None
+                ) -> ForwardOutput:
+        """Packed tokens in; out, float32 logits for the rows in ``logits_indices`` and the final
+        normed hidden states of the rows in ``prompt_indices`` and ``pool_indices``."""
+        T = input_ids.shape[0]
+        prof = self.profiler
+        tick = _no_tick if prof is None else prof.tick
+        x = self._embed(input_ids)
+        tick("embed")
+        if self.fused is not None and self.use_kernel and meta.num_decodes == T <= FUSED_DECODE_ROWS:
+            self.fused.run(x, positions, meta, kv_caches, prof)
+            return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
+        ctx = self._context(positions, meta, tick)
+        # Where the kernels run (float32 on the CPU) norm, rope and the activation are C row
+        # operations (ferry.model.row_ops); torch's stay the reference.
+        if not self.use_kernel:
+            ctx.rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
+        for layer, cache in zip(self.layers, kv_caches):
+            for block in layer.blocks:
+                x = block.forward(x, ctx, cache)
+        return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(input_ids)
+        # Gemma scales by sqrt(hidden) rounded to the weights' dtype, as Hugging Face does.
+        return x if self.cfg.embed_scale == 1.0 else x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return dequantize(self.embed, input_ids) if isinstance(self.embed, QuantWeight) else self.embed[input_ids]
+        # Vocab-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is the lookup.
+        lo, hi = self.plan.vocab
+        mine = (input_ids >= lo) & (input_ids < hi)
+        local = torch.where(mine, input_ids - lo, 0)
+        x = dequantize(self.embed, local) if isinstance(self.embed, QuantWeight) else self.embed[local]
+        return self.comm.all_reduce(x * mine.unsqueeze(1).to(x.dtype))
+
+    def _outputs(self, x: torch.Tensor, rows: torch.Tensor, prompt_rows: torch.Tensor | None,
+                 pool_rows: torch.Tensor | None, tick: Callable[[str], None]) -> ForwardOutput:
+        def normed(idx: torch.Tensor | None) -> torch.Tensor | None:
+            return rms_norm(x[idx], self.norm, self.cfg.rms_norm_eps) if idx is not None and idx.numel() else None
+
+        logits = self.project(rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps))
+        out = ForwardOutput(logits, normed(prompt_rows), normed(pool_rows))
+        if self.comm is not None and out.prompt_rows is not None:
+            out.prompt_rows = self.project(out.prompt_rows)  # a collective of all ranks: now, on each
+            out.prompt_projected = True
+        tick("lm_head")
+        return out
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final normed hidden states (the LM head, with any final soft-cap)."""
+        # Contiguous: sampling reads rows, and a transposed product's rows are strided.
+        logits = linear(h, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
+        if self.comm is not None:
+            logits = self.comm.all_gather_vocab(logits)
+        if self.cfg.final_logit_softcap:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

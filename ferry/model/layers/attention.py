@@ -1,0 +1,77 @@
+"""Softmax attention over the paged KV cache: the qkv product (with its bias), per-head q/k norms,
+rope, the cache write, attention over every earlier token or a sliding window, the o product."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ferry.model.arch.parts import AttentionSpec
+from ferry.model.attention import paged_attention
+from ferry.model.fused_decode import Op
+from ferry.model.layers.context import StepContext
+from ferry.model.layers.linear import Weight, linear
+from ferry.model.layers.norm import rms_norm
+from ferry.model.layers.rope import apply_rope
+from ferry.model.quant import packed
+from ferry.model.row_ops import rope_rows_
+
+
+@dataclass
+class Attention:
+    qkv: Weight  # [(Hq + 2 Hkv) * D, hidden]: this rank's heads
+    qkv_bias: torch.Tensor | None
+    o_proj: Weight
+    heads: tuple[int, int, int]  # this rank's (query heads, KV heads, head size)
+    scale: float
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMS norm of q and k before rope (Qwen3)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding window (None: every earlier token)
+    rope: int = 0  # which of the model's rope tables it rotates with
+    end = "o_proj"  # the profiler's name for the residual add after it
+
+    @classmethod
+    def build(cls, spec: AttentionSpec, w: dict[str, Any], facts: Any) -> "Attention":
+        hq, hkv, hd = facts.heads
+        return cls(packed(w["qkv"]), w.get("qkv_bias"), packed(w["o"]), facts.heads,
+                   spec.scale if spec.scale is not None else hd ** -0.5, w.get("q_norm"), w.get("k_norm"),
+                   spec.window, facts.rope_index(spec.rope))
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T, kern, tick = h.shape[0], ctx.use_kernel, ctx.tick
+        hq, hkv, hd = self.heads
+        q_size, kv_size = hq * hd, hkv * hd
+        qkv = linear(h, self.qkv, self.qkv_bias, use_kernel=kern)
+        qkv = qkv.contiguous() if kern else qkv  # rows for the C rope (a transposed product's are not)
+        tick("qkv")
+        # q and k sit side by side in qkv: rotate them in one pass.
+        qk = qkv[:, :q_size + kv_size].view(T, hq + hkv, hd)
+        if self.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :hq], self.q_norm, ctx.eps), rms_norm(qk[:, hq:], self.k_norm, ctx.eps)],
+                           dim=1)
+        if kern:  # in place: on qkv's rows, or on the normed copy's
+            rope_rows_(qkv if self.q_norm is None else qk.view(T, -1), hq + hkv, hd, *ctx.ropes[self.rope],
+                       ctx.positions)
+        else:
+            qk = apply_rope(qk, *ctx.rotations[self.rope])
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, q_size + kv_size:].view(T, hkv, hd)
+        tick("rope")
+        o = paged_attention(q, k, v, cache[0], cache[1], ctx.meta, self.scale, use_kernel=kern, window=self.window)
+        tick("attention")
+        return linear(o, self.o_proj, use_kernel=kern)
+
+    def ops(self, ctx: StepContext, cache: tuple[torch.Tensor, torch.Tensor]) -> list[Op]:
+        hq, hkv, hd = self.heads
+        n_qkv, hidden = (hq + 2 * hkv) * hd, self.qkv.shape[1]
+        ops = [Op("matmul", "h", "qkv", "qkv", w=self.qkv, n=n_qkv, k=hidden, width=n_qkv)]
+        if self.qkv_bias is not None:
+            ops.append(Op("bias", "qkv", "qkv", "qkv", w=self.qkv_bias))
+        if self.q_norm is not None:
+            ops.append(Op("head_norm", "qkv", "qkv", "rope", w=self.q_norm, w2=self.k_norm, n=hq, k=hkv))
+        return ops + [
+            Op("rope_kv", "qkv", "q", "rope", cache=cache, rope=ctx.ropes[self.rope], width=hq * hd),
+            Op("attention", "q", "attn", "attention", cache=cache, n=self.window or 0, scale=self.scale,
+               width=hq * hd),
+            Op("matmul", "attn", "out", "o_proj", w=self.o_proj, n=hidden, k=hq * hd, width=hidden)]

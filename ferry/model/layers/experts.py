@@ -1,0 +1,65 @@
+"""Routed experts: a router picks each token's top k experts, each a gated MLP; the outputs are
+summed by the router's weights. No op in the fused C decode: such models decode through torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ferry.model.arch.parts import ExpertsSpec
+from ferry.model.fused_decode import NotFused, Op
+from ferry.model.layers.context import StepContext
+from ferry.model.layers.linear import Weight, linear
+from ferry.model.layers.mlp import ACTIVATIONS
+from ferry.model.quant import packed
+
+
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) [T, top_k] of each token: the softmax's top k, renormalised if ``renorm``."""
+    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+@dataclass
+class RoutedExperts:
+    router: torch.Tensor  # [experts, hidden]
+    gate_up: Sequence[Weight]  # per expert [2 * intermediate, hidden] (kept quantized where the file is)
+    down: Sequence[Weight]  # per expert [hidden, intermediate]
+    top_k: int
+    renorm: bool = False
+    act: str = "silu"
+    end = "down"
+
+    @classmethod
+    def build(cls, spec: ExpertsSpec, w: dict[str, Any], facts: Any) -> "RoutedExperts":
+        return cls(w["router"], [packed(x) for x in w["expert_gate_up"]], [packed(x) for x in w["expert_down"]],
+                   spec.top_k, spec.renorm, spec.act)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext | None = None, cache: Any = None) -> torch.Tensor:
+        """Each token's top-k experts, weighted; each expert runs once over all its tokens."""
+        use_kernel = ctx is not None and ctx.use_kernel
+        act = ACTIVATIONS[self.act]
+        weights, chosen = route(h, self.router, self.top_k, self.renorm)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.router.shape[0]).tolist()  # one host read per layer
+        xs, ys, start = h[tokens], torch.empty_like(h[tokens]), 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = linear(xs[start:start + n], self.gate_up[e], use_kernel=use_kernel).chunk(2, dim=-1)
+                ys[start:start + n] = linear(act(gate) * up, self.down[e], use_kernel=use_kernel)
+                start += n
+        out = torch.zeros_like(h)
+        out = out.index_add_(0, tokens, ys * weights.reshape(-1)[order, None].to(h.dtype))
+        if ctx is not None:
+            ctx.tick("experts")
+        return out
+
+    def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
+        raise NotFused("routed experts")
