@@ -69,6 +69,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         spec = find(archs, d.get("model_type"), where)
         arch = spec.hf_name
+        hidden_act(d, where)  # refused here, naming the file
         try:
             heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

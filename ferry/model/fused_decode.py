@@ -29,7 +29,7 @@ FUSED_DECODE_ROWS = 32
 PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down")
 
 # kernels/decode_ops.h's op codes and buffers, in order.
-OPS = ("norm", "matmul", "bias", "head_norm", "rope_kv", "attention", "gated_act", "add")
+OPS = ("norm", "matmul", "bias", "rope_kv", "attention", "gated_act", "add")
 BUFFERS = ("x", "out", "h", "qkv", "q", "attn", "gu", "act", "tmp")
 
 class NotFused(Exception):

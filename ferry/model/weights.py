@@ -16,6 +16,9 @@ from ferry.model.tensor_parallel import shard_cols, shard_rows
 
 Weight = torch.Tensor | QuantWeight | RowStack
 
+# The residual blocks' norms: random weights start them below 1 + w's identity (the others at 1).
+BLOCK_NORMS = ("input_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")
+
 
 def layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorDecl]:
     """Layer ``layer``'s declared tensors, in declaration order."""
@@ -53,7 +56,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     out = {}
     for name, d in declared(cfg):
         if d.norm:
-            out[name] = torch.ones(*d.shape) - cfg.arch.norm_offset * 0.5
+            out[name] = torch.ones(*d.shape) - (cfg.arch.norm_offset * 0.5 if d.role in BLOCK_NORMS else 0.0)
         else:
             out[name] = torch.randn(*d.shape, generator=g) * 0.02
     return out

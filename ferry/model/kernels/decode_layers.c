@@ -93,18 +93,16 @@ int decode_ops(const decode_op_t *ops, int64_t n_ops, const decode_dims_t *d, fl
                 for (int64_t j = 0; j < wd; j++) dst[b * wd + j] += bias[j];
             break;
         }
-        case OP_HEAD_NORM: /* each of the first op->n heads normed by w, the next op->k by w2 (Qwen3's q, k) */
-            ROWS(B, {
-                float *row = dst + b * wd;
-                for (int64_t hh = 0; hh < op->n; hh++)
-                    rms_norm(row + hh * D, (const float *)op->w, row + hh * D, 1, D, d->eps);
-                for (int64_t hh = op->n; hh < op->n + op->k; hh++)
-                    rms_norm(row + hh * D, (const float *)op->w2, row + hh * D, 1, D, d->eps);
-            });
-            break;
-        case OP_ROPE_KV: /* q, k rotated in the qkv rows (src); q to dst; k, v into the cache */
+        case OP_ROPE_KV: /* q, k normed per head by w, w2 where given (Qwen3), rotated in the qkv rows (src); q
+                          * to dst; k, v into the cache */
             ROWS(B, {
                 float *row = src + b * ws;
+                if (op->w) {
+                    for (int64_t hh = 0; hh < Hq; hh++)
+                        rms_norm(row + hh * D, (const float *)op->w, row + hh * D, 1, D, d->eps);
+                    for (int64_t hh = Hq; hh < Hq + Hkv; hh++)
+                        rms_norm(row + hh * D, (const float *)op->w2, row + hh * D, 1, D, d->eps);
+                }
                 rope(row, Hq + Hkv, D, op->cos + positions[b] * D, op->sin + positions[b] * D);
                 memcpy(dst + b * wd, row, sizeof(float) * Hq * D);
                 store_kv((char *)op->k_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D, kv, d->kv);

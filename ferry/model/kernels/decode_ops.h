@@ -10,8 +10,7 @@ enum {
     OP_NORM,       /* dst = rms_norm(src) * w */
     OP_MATMUL,     /* dst[:, :n] = src[:, :k] @ w^T (w of type, or parts) */
     OP_BIAS,       /* dst += w */
-    OP_HEAD_NORM,  /* dst's first n heads normed by w, the next k by w2 */
-    OP_ROPE_KV,    /* rope on src's q, k heads; q to dst; k, v into the cache */
+    OP_ROPE_KV,    /* src's q, k heads normed by w, w2 where given, then rotated; q to dst; k, v into the cache */
     OP_ATTENTION,  /* dst = paged attention of src's q (window n, scale) */
     OP_GATED_ACT,  /* dst = act(src's gate) * src's up (n: 0 SiLU, 1 GELU-tanh) */
     OP_ADD,        /* dst += src (normed by w first where w) */

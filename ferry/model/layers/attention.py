@@ -68,10 +68,9 @@ class Attention:
         ops = [Op("matmul", "h", "qkv", "qkv", w=self.qkv, n=n_qkv, k=hidden, width=n_qkv)]
         if self.qkv_bias is not None:
             ops.append(Op("bias", "qkv", "qkv", "qkv", w=self.qkv_bias))
-        if self.q_norm is not None:
-            ops.append(Op("head_norm", "qkv", "qkv", "rope", w=self.q_norm, w2=self.k_norm, n=hq, k=hkv))
         return ops + [
-            Op("rope_kv", "qkv", "q", "rope", cache=cache, rope=ctx.ropes[self.rope], width=hq * hd),
+            Op("rope_kv", "qkv", "q", "rope", w=self.q_norm, w2=self.k_norm, cache=cache, rope=ctx.ropes[self.rope],
+               width=hq * hd),
             Op("attention", "q", "attn", "attention", cache=cache, n=self.window or 0, scale=self.scale,
                width=hq * hd),
             Op("matmul", "attn", "out", "o_proj", w=self.o_proj, n=hidden, k=hq * hd, width=hidden)]
