@@ -35,6 +35,12 @@ ENGINE_HELP = {
              "else the first). A name is read from the Hugging Face cache (HF_HOME, HF_HUB_CACHE) and "
              "downloaded if it is not there, unless HF_HUB_OFFLINE=1; a local path of the same spelling "
              "wins. Default: the embedded SmolLM2-135M-Instruct",
+    "num_state_slots": "models with recurrent layers (Qwen3.5, LFM2, Mamba2 hybrids): per-request state slots, "
+                       "shared by running requests and the prefix cache's state snapshots. Default: two per "
+                       "sequence within half of --kv-cache-memory-gb",
+    "state_snapshot_interval": "models with recurrent layers: every how many tokens a request's state is kept "
+                               "for the prefix cache (a multiple of --block-size; a prompt's last full block "
+                               "is kept too). Default: 512 rounded up to a multiple of --block-size",
 }
 
 

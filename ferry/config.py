@@ -102,6 +102,12 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
+    # Models with recurrent layers (Qwen3.5, LFM2, Mamba2 hybrids): how many per-request state slots
+    # (running requests and prefix-cache snapshots share them; None: sized from the memory budget),
+    # and every how many tokens a request's state is kept for the prefix cache (a multiple of
+    # block_size; None: the multiple nearest above 512; a prompt's last full block is kept too).
+    num_state_slots: int | None = None
+    state_snapshot_interval: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     # Priority policy only. A waiting request more urgent than a running one that cannot board
     # (no KV blocks, no sequence slot, no budget) preempts the least urgent running request(s).
@@ -156,6 +162,12 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1")
         check(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "an integer >= 1")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
+        check(self.num_state_slots is None or (isinstance(self.num_state_slots, int) and self.num_state_slots >= 1),
+              "num_state_slots", "an integer >= 1")
+        check(self.state_snapshot_interval is None or (
+              isinstance(self.state_snapshot_interval, int) and self.state_snapshot_interval >= 1
+              and self.state_snapshot_interval % self.block_size == 0),
+              "state_snapshot_interval", f"a positive multiple of block_size ({self.block_size})")
         check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'")
         check(self.scheduler in ("continuous", "static"), "scheduler", "'continuous' or 'static'")
@@ -204,6 +216,13 @@ class EngineConfig:
     @property
     def has_prefill_caps(self) -> bool:
         return bool(self.max_num_partial_prefills or self.max_long_partial_prefills)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Every how many tokens a recurrent state is kept for the prefix cache (``state_snapshot_interval``)."""
+        if self.state_snapshot_interval is not None:
+            return self.state_snapshot_interval
+        return -(-512 // self.block_size) * self.block_size
 
     def check_model_len(self) -> None:
         """Checks that need max_model_len resolved (after the model's config is read)."""

@@ -3,7 +3,7 @@ gguf library's writer under llama.cpp's tensor and metadata names (a test helper
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -65,22 +65,38 @@ def hf_config(kind: str):
 
 def make_model(kind: str, path: Path):
     """A random model of ``kind`` saved in ``path`` (eager attention, float32), returned in eval mode."""
+    torch.manual_seed(0)
+    return random_model(hf_config(kind), path)
+
+
+def perturb_norms_and_biases(name: str, p: torch.Tensor) -> None:
+    """Norms away from 1 and biases away from 0 (Qwen2's q/k/v biases start at zero), so a missed or
+    misplaced one shows."""
+    if "norm" in name:
+        p.normal_(1.0, 0.3)
+    elif name.endswith("bias"):
+        p.normal_(0.0, 0.5)
+
+
+def random_model(config, path: Path | None = None,
+                 perturb: Callable[[str, torch.Tensor], None] = perturb_norms_and_biases, buffers: bool = False):
+    """transformers' model for ``config`` (eager attention, float32, eval mode) drawn from the torch
+    generator as it stands, then ``perturb(name, tensor)`` on each parameter (and buffer, with
+    ``buffers``); saved in ``path`` when given."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():  # norms away from 1, so a missed or misplaced norm shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-            elif name.endswith("bias"):  # Qwen2's q/k/v biases start at zero
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + (list(model.named_buffers()) if buffers else []):
+            perturb(name, p)
+    if path is not None:
+        model.save_pretrained(path)
     return model
 
 
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # llama.cpp's llama layout: each head's rows as interleaved (even, odd) pairs instead of two halves.
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """q or k rows in llama.cpp's llama layout (its LlamaModel.permute): each head's rows as
+    interleaved (even, odd) pairs instead of two halves."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -170,9 +186,9 @@ def _tensors(name: str, a: np.ndarray, cfg, arch: str):
     if arch == "gemma3" and part.endswith("norm"):  # llama.cpp stores Gemma's (1 + w)
         a = a + 1.0
     if arch in PERMUTED and part == "self_attn.q_proj":
-        a = _permute(a, cfg.num_attention_heads)
+        a = permute_rows(a, cfg.num_attention_heads)
     elif arch in PERMUTED and part == "self_attn.k_proj":
-        a = _permute(a, cfg.num_key_value_heads)
+        a = permute_rows(a, cfg.num_key_value_heads)
     names = dict(_LAYER, **_GEMMA_LAYER) if arch == "gemma3" else _LAYER
     yield f"blk.{layer}.{names[part]}.{kind}", a
 
@@ -182,32 +198,65 @@ def write_gguf(model, path: Path, quantize: str = "F32") -> Path:
     names, and its conventions (permuted q/k rows, Gemma's stored 1 + w, stacked experts). Matrices
     are float32, or quantized by the gguf library (``quantize="Q8_0"``); norms stay float32."""
     import gguf
-    from gguf.quants import quantize as gguf_quantize
 
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_sizes(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+              cfg.num_key_value_heads, cfg.rms_norm_eps, ff=cfg.intermediate_size, head_dim=hd)
     _arch_metadata(w, gguf, cfg, arch, hd)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     for name, t in model.state_dict().items():
         for out, a in _tensors(name, t.float().numpy(), cfg, arch):
-            a = np.ascontiguousarray(a, dtype=np.float32)
-            if quantize != "F32" and a.ndim >= 2:
-                qtype = gguf.GGMLQuantizationType[quantize]
-                w.add_tensor(out, gguf_quantize(a, qtype), raw_dtype=qtype)
-            else:
-                w.add_tensor(out, a)
+            add_tensor(w, out, a, quantize)
+    return finish(w, path)
+
+
+def add_sizes(w, context: int, hidden: int, layers: int, heads: int, kv_heads: int | list[int], rms_eps: float,
+              ff: int | list[int] | None = None, head_dim: int | None = None) -> None:
+    """The metadata every architecture here writes: context and embedding lengths, the block count,
+    the feed-forward length (one or per layer; None: none), head counts (KV heads one count or per
+    layer), key and value lengths (``head_dim``; None: none) and the norms' epsilon."""
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    if ff is not None:
+        w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(rms_eps)
+
+
+def add_tensor(w, name: str, a: np.ndarray, quantize: str, keep_float: bool = False) -> None:
+    """One tensor into GGUF writer ``w``: float32, or a matrix (2-D or stacked) quantized by the gguf
+    library to ``quantize`` ("Q8_0"; "F32": none) unless ``keep_float``."""
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if quantize != "F32" and a.ndim >= 2 and not keep_float:
+        qtype = gguf.GGMLQuantizationType[quantize]
+        w.add_tensor(name, gguf_quantize(a, qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, a)
+
+
+def mapped_name(names, name: str, arch: str) -> str:
+    """llama.cpp's name for a Hugging Face tensor name (``.weight`` / ``.bias`` kept) in the gguf
+    library's name map ``names``."""
+    out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if out is None:
+        raise KeyError(f"llama.cpp has no {arch} name for {name}")
+    return out
+
+
+def finish(w, path: Path) -> Path:
+    """Writes out GGUF writer ``w`` (header, metadata, tensors) and closes it; returns ``path``."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,6 +3,7 @@ as properties over random workloads with heavy prefix sharing; then the real mod
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -64,9 +65,10 @@ def shared_prefix_workload(rng: random.Random, n: int) -> list[tuple[list[int], 
     return out
 
 
-def run(engine: LLMEngine, work: list[tuple[list[int], int]], rng: random.Random,
-        abort_rate: float = 0.0) -> tuple[dict, list[Request]]:
-    """Requests arrive a few per step; some are aborted at random. Block invariants every step."""
+def run(engine: LLMEngine, work: list[tuple[list[int], int]], rng: random.Random, abort_rate: float = 0.0,
+        check: Callable[[LLMEngine], None] | None = None) -> tuple[dict, list[Request]]:
+    """Requests arrive a few per step; some are aborted at random. Block invariants every step, and
+    ``check(engine)`` after them when given."""
     pending = list(enumerate(work))
     final, reqs = {}, []
     while pending or engine.has_unfinished():
@@ -83,6 +85,8 @@ def run(engine: LLMEngine, work: list[tuple[list[int], int]], rng: random.Random
             if out.finished:
                 final[out.request_id] = out
         check_blocks(engine)
+        if check is not None:
+            check(engine)
         engine.clock.advance(0.01)
     return final, reqs
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 
 class BlockPool:
@@ -19,9 +20,10 @@ class BlockPool:
     to the most blocks ever in use at once (plus what the prefix cache chooses to keep).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.on_evict = on_evict  # told each hash the cache forgets to make room
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 on top
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # least recently freed first
@@ -50,9 +52,12 @@ class BlockPool:
         taken.reverse()
         while len(taken) < n:  # evict the least recently freed cached blocks
             b, _ = self._cached_free.popitem(last=False)
-            del self.cached[self.block_hash[b]]  # type: ignore[index]
+            h = self.block_hash[b]
+            del self.cached[h]  # type: ignore[index]
             self.block_hash[b] = None
             taken.append(b)
+            if self.on_evict is not None:
+                self.on_evict(h)  # type: ignore[arg-type]
         for b in taken:
             self.ref_counts[b] = 1
         return taken
@@ -90,6 +95,16 @@ class BlockPool:
         if self.block_hash[block] is None and block_hash not in self.cached:
             self.block_hash[block] = block_hash
             self.cached[block_hash] = block
+
+    def forget(self, block_hash: bytes) -> None:
+        """Unregister the block holding ``block_hash``, if any: free now if nobody holds it."""
+        b = self.cached.pop(block_hash, None)
+        if b is None:
+            return
+        self.block_hash[b] = None
+        if self.ref_counts[b] == 0:
+            del self._cached_free[b]
+            self._free.append(b)
 
     def reset_cache(self) -> int:
         """Forget every hash (blocks in use stay in use). Returns how many blocks were cached."""

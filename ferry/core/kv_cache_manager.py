@@ -6,6 +6,7 @@ from array import array
 
 from ferry.core.block_pool import BlockPool
 from ferry.core.request import Request
+from ferry.core.state_slots import StateSlots
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -35,11 +36,15 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 window: int | None = None) -> None:
+                 window: int | None = None, num_state_slots: int = 0, snapshot_interval: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        # A hybrid model's recurrent-state slots (``ferry.core.state_slots``), whose snapshots leave
+        # the prefix cache with their blocks.
+        self.states = StateSlots(num_state_slots, block_size, snapshot_interval or block_size, enable_caching) \
+            if num_state_slots else None
+        self.pool = BlockPool(num_blocks, on_evict=self.states.forget if self.states else None)
         self.block_tables: dict[str, list[int]] = {}
         self.enable_caching = enable_caching
         self.num_queried_tokens = 0  # prompt tokens looked up in the cache
@@ -71,11 +76,14 @@ class KVCacheManager:
         if not self.enable_caching or sp.prompt_logprobs is not None or sp.pooling == "mean":
             return []
         found = []
-        for h in self._hashes(req)[:(req.num_tokens - 1) // self.block_size]:
+        hashes = self._hashes(req)
+        for h in hashes[:(req.num_tokens - 1) // self.block_size]:
             b = self.pool.lookup(h)
             if b is None:
                 break
             found.append(b)
+        if self.states is not None:  # a recurrent state resumes only where a snapshot was kept
+            found = found[:self.states.resumable(hashes, len(found))]
         return found
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -96,7 +104,8 @@ class KVCacheManager:
         needed = blocks_for(computed + num_new_tokens, self.block_size) - len(table) - (len(cached) if cached else 0)
         # Cached blocks nobody holds are counted free: reusing them takes them from the pool too.
         reclaimed = sum(1 for b in cached if self.pool.ref_counts[b] == 0) if cached else 0
-        if needed + reclaimed > self.pool.num_free:
+        if needed + reclaimed > self.pool.num_free or (
+                self.states is not None and not table and not self._take_state(request, cached)):
             if not table:
                 del self.block_tables[request.request_id]
             return None
@@ -110,6 +119,28 @@ class KVCacheManager:
         assert new is not None
         table.extend(new)
         return new
+
+    def _take_state(self, request: Request, cached: list[int] | None) -> bool:
+        """A slot for the recurrent state of a request that starts (from the snapshot ending its
+        cached prefix, if any)."""
+        assert self.states is not None
+        resume = request.block_hashes[len(cached) - 1] if cached else None
+        return self.states.take(request.request_id, resume)
+
+    def cut(self, request: Request, start: int, num: int) -> int:
+        """A chunk's ``num`` tokens from ``start``, cut at the next point where the prefix cache keeps
+        a recurrent-state snapshot (a hybrid model's; otherwise ``num``)."""
+        if self.states is None or num <= 1:
+            return num
+        return self.states.cut(request.num_prompt_tokens, start, num)
+
+    def snapshot_slot(self, request: Request, end: int) -> int:
+        """The slot the state of ``request`` at ``end`` (its step's end) is kept in, or -1."""
+        if self.states is None or not self.enable_caching or end % self.block_size:
+            return -1
+        hashes = self._hashes(request)
+        h = hashes[end // self.block_size - 1] if end // self.block_size <= len(hashes) else None
+        return self.states.snapshot_at(request.request_id, request.num_prompt_tokens, end, h)
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> tuple[int, int]:
         """Count one admitted request's cache lookup; returns what it counted (prompt tokens looked
@@ -139,6 +170,8 @@ class KVCacheManager:
         """A step computed more of ``request``: register its newly full blocks, then give back those
         its window has passed (in that order, so a cached prefix stays whole)."""
         self.cache_blocks(request)
+        if self.states is not None:
+            self.states.step_done(request.request_id)
         self.release_outside_window(request)
 
     def release_outside_window(self, request: Request) -> None:
@@ -166,7 +199,11 @@ class KVCacheManager:
         request.num_cached_blocks = 0
         if table:
             self.pool.give_back(table[done:])
+        if self.states is not None:
+            self.states.release(request.request_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (for benchmarks and tests). Returns how many blocks it held."""
+        if self.states is not None:
+            self.states.reset()
         return self.pool.reset_cache()

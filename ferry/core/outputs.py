@@ -50,6 +50,10 @@ class ScheduledChunk:
     spec_token_ids: list[int] = field(default_factory=list)
     padding: bool = False
     decode: bool = field(init=False, default=False)
+    # Hybrid models: the request's recurrent-state slot, and where its state is kept for the
+    # prefix cache after this step (-1: nowhere).
+    state_slot: int = -1
+    snapshot_slot: int = -1
 
     def __post_init__(self) -> None:
         # Set once here, not a property: the packer and the step's statistics read it for every chunk.
@@ -74,6 +78,9 @@ class SchedulerOutput:
     # Finished since the previous step (by stop, length or abort): the executor drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
     num_kv_blocks_used: int = 0
+    # Hybrid models: (snapshot slot, request slot) state copies to make before the step: requests
+    # that start from a prefix-cache hit.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def new_req_ids(self) -> list[str]:

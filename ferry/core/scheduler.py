@@ -120,6 +120,7 @@ class Scheduler:
         # First priority: keep the running requests moving.
         # (Locals: this loop runs for every running request every step.)
         running, spec, allocate, chunk_cap = RequestStatus.RUNNING, self.spec, self.kv.allocate_slots, self.chunk_cap
+        states = self.kv.states
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -127,6 +128,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             need = len(req.all_token_ids) - req.num_computed_tokens
             num = 1 if need == 1 else min(need, budget, chunk_cap)
+            if states is not None:
+                num = self.kv.cut(req, req.num_computed_tokens, num)
             if spec is not None:
                 req.spec_token_ids = self._draft(req, budget) if num == need == 1 else []
                 num += len(req.spec_token_ids)
@@ -152,8 +155,24 @@ class Scheduler:
 
         self._in_flight = {}
         self._advance(self.running, scheduled, out)
+        if states is not None:
+            self._place_states(out)
         out.num_kv_blocks_used = self.kv.pool.num_used
         return out
+
+    def _place_states(self, out: SchedulerOutput) -> None:
+        """A hybrid model's chunks name their requests' state slots, the snapshot a new request
+        starts from, and the slot its state is kept in where the step ends at a snapshot point."""
+        states = self.kv.states
+        assert states is not None
+        for c in out.chunks:
+            req = self._in_flight[c.request_id]
+            c.state_slot = states.slots[c.request_id]
+            if not c.spec_token_ids:
+                c.snapshot_slot = self.kv.snapshot_slot(req, c.start + c.num_tokens)
+            copy = states.copies.get(c.request_id)  # held from boarding until its first step is over
+            if copy is not None:
+                out.state_copies.append(copy)
 
     def _advance(self, reqs: list[Request], scheduled: dict[str, int], out: SchedulerOutput) -> None:
         """Move each scheduled request's one counter by its tokens; a chunk each says where it ran
@@ -208,7 +227,7 @@ class Scheduler:
                     if is_long and max_long is not None and long_prefills >= max_long:
                         skipped.append(self.waiting.pop())
                         continue
-                num = min(need, budget, self.chunk_cap)
+                num = self.kv.cut(req, num_cached, min(need, budget, self.chunk_cap))
                 room = not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)
                 if room and self._try_allocate(req, num, need, budget, cached):
                     self._admit(req, num_cached, out)
@@ -301,7 +320,8 @@ class Scheduler:
         in ways the verify step does not replay (penalties, grammars)."""
         spec, sp = self.spec, req.sampling_params
         assert spec is not None
-        if sp.has_penalties or sp.structured_outputs is not None:
+        # A recurrent state cannot be rewound past a rejected draft: hybrid models verify none.
+        if sp.has_penalties or sp.structured_outputs is not None or self.kv.states is not None:
             return []
         if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
             return []

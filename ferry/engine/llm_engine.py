@@ -58,9 +58,15 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock or WallClock()
         # A model whose every layer has a sliding window lets the cache give back what it passed.
+        if executor.num_state_slots and config.scheduler == "static":
+            raise ValueError("scheduler 'static' does not serve models with recurrent layers: use 'continuous'")
+        if executor.num_state_slots and config.speculative_config is not None:
+            log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
+                        "rewound past a rejected draft token")
         self.kv = KVCacheManager(num_kv_blocks, config.block_size,
                                  enable_caching=config.enable_prefix_caching and config.scheduler == "continuous",
-                                 window=executor.max_window)
+                                 window=executor.max_window, num_state_slots=executor.num_state_slots,
+                                 snapshot_interval=config.snapshot_interval)
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, self.clock)
         assert config.max_model_len is not None  # the scheduler asserts it too
@@ -212,6 +218,8 @@ class LLMEngine:
         except Exception as e:
             if len(out.chunks) == 1:
                 return self._fail(out.chunks, e)
+            if self.executor.num_state_slots:  # a retry would advance recurrent states twice
+                return self._fail_all(out.chunks, e)
             log.info("a step of %d requests failed (%s: %s); retrying in smaller groups to find "
                         "the request that causes it", len(out.chunks), type(e).__name__, e)
         result = ModelRunnerOutput()
@@ -230,6 +238,12 @@ class LLMEngine:
                     groups += [chunks[half:], chunks[:half]]
                     continue
             result.update(part)
+        return result
+
+    def _fail_all(self, chunks: list[ScheduledChunk], e: Exception) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        for c in chunks:
+            result.update(self._fail([c], e))
         return result
 
     def _fail(self, chunks: list[ScheduledChunk], e: Exception) -> ModelRunnerOutput:

@@ -43,6 +43,9 @@ class Executor(ABC):
     # engine from sets max_model_len, num_kv_blocks, tokenizer and eos_token_ids.
     max_model_len: int | None = None  # the model's context length, resolved for this engine
     num_kv_blocks: int | None = None  # KV-cache blocks the executor holds
+    # Recurrent-state slots it holds (models with recurrent layers; 0: none). A failed step of such
+    # a model is not retried in parts: its states may have moved on already.
+    num_state_slots: int = 0
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # None: token ids are not checked against a vocabulary
@@ -87,6 +90,7 @@ class WrappedExecutor(Executor):
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
         self.max_model_len, self.num_kv_blocks = inner.max_model_len, inner.num_kv_blocks
+        self.num_state_slots = inner.num_state_slots
         self.tokenizer, self.eos_token_ids, self.vocab_size = inner.tokenizer, inner.eos_token_ids, inner.vocab_size
         self.model_config, self.device, self.dtype_name = inner.model_config, inner.device, inner.dtype_name
         self.grammars = inner.grammars

@@ -10,7 +10,7 @@ arrays, with one small Python loop over requests (never over tokens).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,10 @@ class PackedBatch:
     prompt_spans: list[tuple[CachedRequest, int, int]]
     # Embedding requests: (request, position of the first row pooled, how many, whether the prompt ends here).
     pool_spans: list[tuple[CachedRequest, int, int, bool]]
+    # Recurrent-state slots (hybrid models): (source, destination) copies before the forward pass
+    # (requests resuming from a snapshot) and after it (snapshots kept for the prefix cache).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "PackedBatch":
         """The batch on ``device``: packed on the host, sent once per step (nothing on the CPU)."""
@@ -43,7 +47,7 @@ class PackedBatch:
                            self.meta.to(device), self.logits_indices.to(device, non_blocking=True),
                            self.prompt_indices.to(device, non_blocking=True),
                            self.pool_indices.to(device, non_blocking=True), self.sampling, self.prompt_spans,
-                           self.pool_spans)
+                           self.pool_spans, self.state_copies, self.snapshots)
 
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -57,7 +61,8 @@ def _token_ids(r: CachedRequest, c: ScheduledChunk) -> list[int]:
     return known + c.spec_token_ids if c.spec_token_ids else known
 
 
-def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -> PackedBatch:
+def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int,
+         state_copies: list[tuple[int, int]] | None = None) -> PackedBatch:
     # Decode rows first (``ScheduledChunk.decode``): the attention runs them as one-token queries.
     decodes = [c for c in chunks if c.decode]
     prefills = [c for c in chunks if not c.decode]
@@ -91,7 +96,7 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
     for c in prefills:
         block_ids = reqs[c.request_id].block_ids
         pos = np.arange(c.start, c.start + c.num_tokens)
-        span = PrefillSpan(q_start=row, q_len=c.num_tokens, ctx_len=c.start)
+        span = PrefillSpan(q_start=row, q_len=c.num_tokens, ctx_len=c.start, state_slot=c.state_slot)
         if c.start > 0:
             all_pos = np.arange(c.start + c.num_tokens)
             ctx_slots = _slots(block_ids, all_pos, block_size)
@@ -132,13 +137,16 @@ def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int) -
             sampling.append((r, c))
             logit_rows.extend(range(row - c.num_sampling_rows, row))
 
+    stateful = bool(chunks) and chunks[0].state_slot >= 0
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slot_parts)), num_decodes=nd,
         decode_block_tables=decode_tables, decode_lens=decode_lens, block_size=block_size, prefills=spans,
-        max_decode_len=int(starts.max()) + 1 if nd else 0)
+        max_decode_len=int(starts.max()) + 1 if nd else 0,
+        decode_state_slots=torch.tensor([c.state_slot for c in decodes], dtype=torch.long) if stateful else None)
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(pos_parts)),
         meta=meta, logits_indices=torch.tensor(logit_rows, dtype=torch.long),
         prompt_indices=torch.tensor(prompt_rows, dtype=torch.long), pool_indices=torch.tensor(pool_rows, dtype=torch.long),
-        sampling=sampling, prompt_spans=prompt_spans, pool_spans=pool_spans)
+        sampling=sampling, prompt_spans=prompt_spans, pool_spans=pool_spans, state_copies=list(state_copies or ()),
+        snapshots=[(c.state_slot, c.snapshot_slot) for c in chunks if c.snapshot_slot >= 0] if stateful else [])

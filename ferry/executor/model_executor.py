@@ -39,6 +39,26 @@ def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     return asked
 
 
+def state_slots(config: EngineConfig, state_bytes: int) -> int:
+    """Recurrent-state slots to hold: ``num_state_slots``, or one per sequence and as many again for
+    the prefix cache's snapshots, within half the memory budget."""
+    if config.num_state_slots:
+        return config.num_state_slots
+    fit = int(config.kv_cache_memory_gb * 2**30 / 2 // state_bytes)
+    return max(1, min(2 * config.max_num_seqs, fit))
+
+
+def copy_states(caches: list[dict[str, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copy each (source, destination) slot's state, every recurrent layer's."""
+    if not pairs or not caches:
+        return
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    for layer in caches:
+        for t in layer.values():
+            t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
+
+
 @dataclass
 class ModelSetup:
     """Everything known about a model before its weights load: the settings resolved for the device,
@@ -117,8 +137,12 @@ class ModelExecutor(Executor):
         width = row_width(cfg.head_dim, kv_dtype)  # a head's values in the cache's last dimension
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         # Every rank has the same number of blocks (one scheduler, one block table), sized for the
-        # rank holding the most KV heads.
-        bytes_per_block = 2 * cfg.num_layers * config.block_size * plan.max_kv_heads * width * elem
+        # rank holding the most KV heads. Only attention layers keep K/V.
+        kv_layers = cfg.attention_layers
+        bytes_per_block = max(1, 2 * len(kv_layers) * config.block_size * plan.max_kv_heads * width * elem)
+        state_bytes = 4 * cfg.state_floats  # one request's recurrent state, every recurrent layer's
+        self.num_state_slots = state_slots(config, state_bytes) if state_bytes else 0
+        budget = config.kv_cache_memory_gb * 2**30 - self.num_state_slots * state_bytes
         if config.num_kv_blocks:
             self.num_kv_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -132,17 +156,26 @@ class ModelExecutor(Executor):
             if comm is not None:  # the rank with the least memory sets the count for all
                 self.num_kv_blocks = comm.agree_min(self.num_kv_blocks)
         else:
-            self.num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+            if budget < bytes_per_block:
+                raise ValueError(f"kv_cache_memory_gb ({config.kv_cache_memory_gb}) leaves no room for KV blocks "
+                                 f"after {self.num_state_slots} recurrent states of {state_bytes / 2**20:.1f} MiB: "
+                                 "raise it or lower num_state_slots")
+            self.num_kv_blocks = max(1, int(budget) // bytes_per_block)
         slots = self.num_kv_blocks * config.block_size
         # Zeros, not garbage: padded attention rows multiply masked slots by 0, and 0 * NaN is NaN.
         # On the CPU the OS zeroes fresh pages lazily: no 2 GiB memset at start-up, and only the
         # blocks in use ever take memory.
-        shape = (cfg.num_layers, 2, slots, plan.num_kv_heads, width)
-        if self.device.type == "cpu":
-            cache = lazy_zeros(shape, kv_dtype)
-        else:
-            cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        zeros = lazy_zeros if self.device.type == "cpu" else \
+            (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device))
+        cache = zeros((max(1, len(kv_layers)), 2, slots, plan.num_kv_heads, width), kv_dtype)
+        # Per layer: (K, V) of an attention layer, the state tensors of a recurrent one.
+        self.kv_caches: list[Any] = [None] * cfg.num_layers
+        for j, i in enumerate(kv_layers):
+            self.kv_caches[i] = (cache[j, 0], cache[j, 1])
+        for i in cfg.recurrent_layers:
+            self.kv_caches[i] = {name: zeros((self.num_state_slots, *shape), torch.float32)
+                                 for name, shape in cfg.state_shapes(i).items()}
+        self.state_caches = [self.kv_caches[i] for i in cfg.recurrent_layers]
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                         max_compile_seconds=config.max_grammar_compile_seconds)
@@ -177,13 +210,16 @@ class ModelExecutor(Executor):
         torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
         self.states.apply(out)
-        batch = pack(out.chunks, self.states, self.block_size).to(self.device)
+        batch = pack(out.chunks, self.states, self.block_size, out.state_copies).to(self.device)
         self.tick("pack")
         return batch
 
     def forward(self, batch: PackedBatch) -> ForwardOutput:
-        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                  batch.logits_indices, batch.prompt_indices, batch.pool_indices)
+        copy_states(self.state_caches, batch.state_copies)  # requests resuming from a prefix-cache snapshot
+        out = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
+                                 batch.logits_indices, batch.prompt_indices, batch.pool_indices)
+        copy_states(self.state_caches, batch.snapshots)  # states kept for the prefix cache
+        return out
 
     def sample(self, batch: PackedBatch, out: ForwardOutput) -> ModelRunnerOutput:
         """Sample (and score prompt tokens, pool embeddings) from the forward pass; record the new tokens."""

@@ -5,7 +5,9 @@ are written into the block cache by slot mapping; every query then reads its
 request's context through the block table: causal inside its own chunk, full
 over the tokens computed in earlier steps. A layer with a sliding window of W
 (``window``) lets the query at position p see positions (p - W, p] only, and never
-gathers a slot before every query's window (those blocks may be given back).
+gathers a slot before every query's window (those blocks may be given back). A layer with
+attention sinks (``sinks``: one logit per query head, gpt-oss) adds each head's sink to every
+softmax denominator: the softmax runs over [scores, sink] and the sink's share is dropped.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class PrefillSpan:
     q_len: int
     ctx_len: int
     ctx_slots: torch.Tensor | None = None  # slots of positions [0, ctx_len + q_len) when ctx_len > 0
+    state_slot: int = -1  # its request's recurrent-state slot (hybrid models); ctx_len == 0: start from zeros
 
 
 @dataclass
@@ -40,6 +43,7 @@ class AttentionMetadata:
     block_size: int
     prefills: list[PrefillSpan]
     max_decode_len: int = 0  # known on the host: no device sync to size the gathered contexts
+    decode_state_slots: torch.Tensor | None = None  # [num_decodes] int64: each decode row's recurrent-state slot
     _gathered: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _spans: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -52,7 +56,8 @@ class AttentionMetadata:
             slot_mapping=mv(self.slot_mapping), num_decodes=self.num_decodes,
             decode_block_tables=mv(self.decode_block_tables), decode_lens=mv(self.decode_lens),
             block_size=self.block_size, max_decode_len=self.max_decode_len,
-            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots)) for p in self.prefills])
+            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), p.state_slot) for p in self.prefills],
+            decode_state_slots=mv(self.decode_state_slots))
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] slots of every decode's context (padded; the last ``window`` positions only, with a
@@ -104,18 +109,55 @@ def _prefill_keys_and_mask(p: PrefillSpan, window: int | None, device: torch.dev
     return start, causal if window is None else causal & (k_pos > q_pos - window)
 
 
+# Scores the sink path holds at once (float32): its queries go in groups of rows under this.
+SINK_SCORES = 1 << 24
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax takes each query head's sink logit as one more column, in
+    transformers' gpt-oss eager form: [scores, sink] less their max, softmaxed, the sink's column
+    dropped. q [N, Hq, Lq, D]; k, v [N, Hkv, L, D] (query head h reads KV head h // (Hq / Hkv));
+    mask broadcast to [N, Hq, Lq, L], True where a key is seen (None: all); sinks [Hq]."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(-1, -2)
+    vf = v.float().repeat_interleave(group, dim=1)
+    sink = sinks.float().view(1, -1, 1, 1)
+    step = max(1, SINK_SCORES // (q.shape[0] * q.shape[1] * k.shape[2]))  # bounded scores on long prompts
+    outs = []
+    for r0 in range(0, q.shape[2], step):
+        scores = (q[:, :, r0:r0 + step].float() @ kf) * scale
+        if mask is not None:
+            seen = mask if mask.shape[-2] == 1 else mask[..., r0:r0 + step, :]
+            scores = scores.masked_fill(~seen, float("-inf"))
+        logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        outs.append(probs @ vf)
+    return torch.cat(outs, dim=2).to(q.dtype)
+
+
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Reference decode path: gather each context (its window) into a padded batch, then SDPA."""
+                           meta: AttentionMetadata, scale: float, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference decode path: gather each context (its window) into a padded batch, then SDPA (an
+    explicit softmax with sinks: SDPA has no input for them)."""
     slots, mask = meta.decode_slots_and_mask(window)
     kd = from_cache(k_cache[slots], q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
     vd = from_cache(v_cache[slots], q.dtype).transpose(1, 2)
+    if sinks is not None:
+        return attend_with_sinks(q.unsqueeze(2), kd, vd, mask, scale, sinks).squeeze(2)
     return F.scaled_dot_product_attention(
         q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
 
 
+def _sinks_f32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks as the C kernels read them (float32, contiguous; no copy when they are)."""
+    return None if sinks is None else sinks.to(torch.float32).contiguous()
+
+
 def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float, window: int | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Fast decode path: the C kernel reads K/V in place through the block tables (the last
     ``window`` positions of each context, with a window)."""
     lib = load_kernels()
@@ -123,24 +165,28 @@ def decode_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     B, Hq, D = q.shape
     tables = meta.decode_block_tables
+    sinks = _sinks_f32(sinks)
     lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         meta.decode_lens.data_ptr(), out.data_ptr(), B, Hq, k_cache.shape[1], D,
-        meta.block_size, tables.shape[1], ctypes.c_float(scale), window or 0, KV_KINDS[k_cache.dtype])
+        meta.block_size, tables.shape[1], ctypes.c_float(scale), window or 0, KV_KINDS[k_cache.dtype],
+        None if sinks is None else sinks.data_ptr())
     return out
 
 
 def prefill_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor) -> bool:
+                             meta: AttentionMetadata, scale: float, window: int | None, out: torch.Tensor,
+                             sinks: torch.Tensor | None = None) -> bool:
     """Every prefill chunk's rows of ``out`` by the C kernel, which reads K/V in place through the
     chunks' slots (theirs already written); False when it does not take this head size. Raises
     MemoryError when the kernel cannot allocate its buffers."""
     slots, spans = meta.prefill_slots()
     Hq, D = q.shape[1], q.shape[2]
+    sinks = _sinks_f32(sinks)
     served = load_kernels().paged_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), spans.data_ptr(),
         spans.shape[0], out.data_ptr(), Hq, k_cache.shape[1], D, ctypes.c_float(scale), window or 0,
-        KV_KINDS[k_cache.dtype])
+        KV_KINDS[k_cache.dtype], None if sinks is None else sinks.data_ptr())
     if served < 0:
         raise MemoryError("the prefill attention kernel could not allocate its buffers")
     return bool(served)
@@ -149,9 +195,10 @@ def prefill_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, use_kernel: bool = True,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, Hq * D].
-    ``window``: the layer's sliding window (None: full causal attention). A cache of another
+    ``window``: the layer's sliding window (None: full causal attention). ``sinks``: [Hq] sink
+    logits in every softmax denominator (None: none; module docstring). A cache of another
     dtype than q (``--kv-cache-dtype``) holds K/V rounded to it, and every query reads them so,
     its own chunk's too: results do not depend on how a prompt is chunked (``kv_format``)."""
     k, v = to_cache(k, k_cache), to_cache(v, v_cache)
@@ -161,9 +208,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nd = meta.num_decodes
     if nd:
         decode = decode_attention_kernel if use_kernel else decode_attention_torch
-        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale, window)
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale, window, sinks)
     kernel_rows = use_kernel and q.stride(2) == 1 and q.stride(1) == q.shape[2] and q.dtype == torch.float32
-    if meta.prefills and kernel_rows and prefill_attention_kernel(q, k_cache, v_cache, meta, scale, window, out):
+    if meta.prefills and kernel_rows and prefill_attention_kernel(q, k_cache, v_cache, meta, scale, window, out,
+                                                                  sinks):
         return out.view(q.shape[0], -1)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
@@ -174,6 +222,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             kp, vp = k_cache[p.ctx_slots[start:]], v_cache[p.ctx_slots[start:]]
         kp, vp = from_cache(kp, q.dtype), from_cache(vp, q.dtype)  # no copy when the cache is q's dtype
+        if sinks is not None:  # SDPA has no sinks: an explicit softmax, causal mask made where SDPA's served
+            seen = mask if mask is not None else torch.ones(p.q_len, p.q_len, dtype=torch.bool, device=q.device).tril()
+            o = attend_with_sinks(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0), seen, scale,
+                                  sinks)
+            out[rows] = o[0].transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=mask is None and p.ctx_len == 0, scale=scale, enable_gqa=True)

@@ -36,6 +36,8 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...] = ()
     embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    residual_scale: float = 1.0  # each block's output is scaled so before its residual add (Granite)
+    logits_divisor: float = 1.0  # logits are divided by this (Granite's logits_scaling)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -49,13 +51,35 @@ class ModelConfig:
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        return tuple(layer.mixer.window for layer in self.layers)
+        """The window of each attention layer (recurrent layers keep no KV)."""
+        return tuple(layer.attention.window for layer in self.layers if layer.attention is not None)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache."""
+        return [i for i, layer in enumerate(self.layers) if layer.attention is not None]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """The layers that keep a fixed-size recurrent state per request."""
+        return [i for i, layer in enumerate(self.layers) if layer.recurrent is not None]
+
+    def state_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Layer ``layer``'s per-request recurrent state: name -> shape (float32)."""
+        return self.layers[layer].recurrent.state_shapes(self)
+
+    @property
+    def state_floats(self) -> int:
+        """The float32 values one request's recurrent state holds over every recurrent layer."""
+        import math
+
+        return sum(math.prod(s) for i in self.recurrent_layers for s in self.state_shapes(i).values())
 
     @property
     def max_window(self) -> int | None:
         """The widest window any layer keeps (None: some layer reads every earlier token)."""
         windows = self.layer_windows
-        if not windows or None in windows:
+        if not windows or None in windows or self.recurrent_layers:
             return None
         return max(windows)
 
@@ -69,7 +93,11 @@ class ModelConfig:
         archs = d.get("architectures") or []
         spec = find(archs, d.get("model_type"), where)
         arch = spec.hf_name
-        hidden_act(d, where)  # refused here, naming the file
+        if spec.text_config:  # the language model of a multimodal checkpoint: its own fields win
+            outer = {k: v for k, v in d.items() if not k.endswith("_config")}
+            d = {**outer, **(d.get("text_config") or {})}
+        if spec.checks_hidden_act:
+            hidden_act(d, where)  # refused here, naming the file
         try:
             heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -77,8 +105,8 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=d["vocab_size"],
                 hidden_size=d["hidden_size"],
-                intermediate_size=d["intermediate_size"],
-                num_layers=d["num_hidden_layers"],
+                intermediate_size=d.get("intermediate_size") or 0,  # an architecture may read it elsewhere (LFM2)
+                num_layers=d.get("num_hidden_layers") or 0,  # an architecture may count its layers itself (Nemotron-H)
                 num_heads=heads,
                 num_kv_heads=d.get("num_key_value_heads") or heads,
                 head_dim=d.get("head_dim") or d["hidden_size"] // heads,

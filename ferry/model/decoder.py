@@ -52,19 +52,22 @@ class Residual:
     norm: torch.Tensor
     part: Any
     out_norm: torch.Tensor | None = None
+    scale: float = 1.0  # the output's scale before the add (Granite's residual multiplier)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: Any) -> torch.Tensor:
         h = rms_norm(x, self.norm, ctx.eps, ctx.use_kernel)
         ctx.tick("norm")
         o = self.part.forward(h, ctx, cache)
         o = o if ctx.comm is None else ctx.comm.all_reduce(o)
-        x = x + (o if self.out_norm is None else rms_norm(o, self.out_norm, ctx.eps, ctx.use_kernel))
+        o = o if self.out_norm is None else rms_norm(o, self.out_norm, ctx.eps, ctx.use_kernel)
+        x = x + (o if self.scale == 1.0 else o * self.scale)
         ctx.tick(self.part.end)
         return x
 
     def segment(self, ctx: StepContext, cache: Any) -> Segment:
         """Its ops for the fused decode, the part's output left in "out"."""
-        return Segment([Op("norm", "x", "h", "norm", w=self.norm)] + self.part.ops(ctx, cache), self.out_norm)
+        return Segment([Op("norm", "x", "h", "norm", w=self.norm)] + self.part.ops(ctx, cache), self.out_norm,
+                       self.scale)
 
 
 @dataclass
@@ -85,7 +88,7 @@ class PartFacts:
     """What a part's build reads about the model beyond its own weights."""
 
     heads: tuple[int, int, int]  # this rank's (query heads, KV heads, head size)
-    rope_index: Callable[[tuple[float, Any]], int]
+    rope_index: Callable[[Any], int]  # an AttentionSpec -> the index of its rope table
 
 
 class DecoderModel:
@@ -115,16 +118,20 @@ class DecoderModel:
         self.lm_head = self.embed if tied else packed(take.model_tensor("lm_head"))
         self.norm = take.model_tensor("final_norm")
         # One rope table per distinct (theta, scaling) among the layers (Gemma: its local and global bases).
-        distinct: list[tuple[float, Any]] = []
+        # (Qwen3.5: a rotation of the first quarter of each head only: its own table's width.)
+        distinct: list[tuple[float, Any, int]] = []
         for layer in cfg.layers:
-            if layer.mixer.rope not in distinct:
-                distinct.append(layer.mixer.rope)
+            a = layer.attention
+            key = a and (*a.rope, a.rotary_dim or cfg.head_dim)
+            if a is not None and key not in distinct:
+                distinct.append(key)
         self.ropes = []
-        for theta, scaling in distinct:
-            cos, sin = rope_tables(cfg.head_dim, theta, scaling, cfg.max_position_embeddings, max_len)
+        for theta, scaling, dim in distinct:
+            cos, sin = rope_tables(dim, theta, scaling, cfg.max_position_embeddings, max_len)
             self.ropes.append((cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)))
         self.num_heads, self.num_kv_heads = self.plan.num_heads, self.plan.num_kv_heads
-        facts = PartFacts((self.num_heads, self.num_kv_heads, cfg.head_dim), distinct.index)
+        facts = PartFacts((self.num_heads, self.num_kv_heads, cfg.head_dim),
+                          lambda spec: distinct.index((*spec.rope, spec.rotary_dim or cfg.head_dim)))
         self.layers = [self._layer(take.layer(i), facts) for i in range(cfg.num_layers)]
         self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
         # The kernels take any K (quantized weights come in whole blocks) and any head size; a
@@ -134,10 +141,14 @@ class DecoderModel:
             self.fused = FusedDecode(self._compile_ops, cfg.hidden_size, facts.heads, cfg.rms_norm_eps, self.comm)
 
     def _layer(self, w: dict[str, Any], facts: PartFacts) -> DecoderLayer:
-        spec = w["spec"]
-        mixer = Residual(w["input_norm"], PARTS[spec.mixer.kind](spec.mixer, w, facts), w.get("attn_out_norm"))
-        mlp = Residual(w["mlp_norm"], PARTS[spec.mlp.kind](spec.mlp, w, facts), w.get("mlp_out_norm"))
-        return DecoderLayer([mixer, mlp])
+        spec, blocks, scale = w["spec"], [], self.cfg.residual_scale
+        if spec.mixer is not None:
+            blocks.append(Residual(w["input_norm"], PARTS[spec.mixer.kind](spec.mixer, w, facts), w.get("attn_out_norm"),
+                                   scale))
+        if spec.mlp is not None:
+            blocks.append(Residual(w["mlp_norm"], PARTS[spec.mlp.kind](spec.mlp, w, facts), w.get("mlp_out_norm"),
+                                   scale))
+        return DecoderLayer(blocks)
 
     def _context(self, positions: torch.Tensor, meta: AttentionMetadata | None, tick: Callable[[str], None]
                  ) -> StepContext:
@@ -212,6 +223,8 @@ class DecoderModel:
         logits = linear(h, self.lm_head, use_kernel=self.use_kernel).float().contiguous()
         if self.comm is not None:
             logits = self.comm.all_gather_vocab(logits)
+        if self.cfg.logits_divisor != 1.0:
+            logits = logits / self.cfg.logits_divisor
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -26,11 +26,11 @@ from ferry.model.quant import QuantWeight, RowStack
 # Up to this many decodes the fused path wins (measured with --profile on the embedded model).
 FUSED_DECODE_ROWS = 32
 # The profiler's parts, in the order of the timing array (an op names the one its time goes to).
-PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down")
+PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down", "in_proj", "recurrent", "out_proj")
 
 # kernels/decode_ops.h's op codes and buffers, in order.
-OPS = ("norm", "matmul", "bias", "rope_kv", "attention", "gated_act", "add")
-BUFFERS = ("x", "out", "h", "qkv", "q", "attn", "gu", "act", "tmp")
+OPS = ("norm", "matmul", "bias", "rope_kv", "attention", "gated_act", "add", "gdn", "short_conv", "gate", "mamba2", "relu2")
+BUFFERS = ("x", "out", "h", "qkv", "q", "attn", "gu", "act", "tmp", "rin", "rout")  # rin, rout: a recurrent part's
 
 class NotFused(Exception):
     """A part has no op in the C decode: the model decodes through torch."""
@@ -49,9 +49,12 @@ class Op:
     n: int = 0
     k: int = 0
     scale: float = 0.0
-    cache: tuple[torch.Tensor, torch.Tensor] | None = None
+    cache: tuple[torch.Tensor, torch.Tensor] | None = None  # K and V, or a recurrent op's two state tensors
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     width: int = 0  # the row width of what it writes to dst (0: dst's width is set elsewhere)
+    w3: torch.Tensor | None = None  # a recurrent op's further weights
+    w4: torch.Tensor | None = None
+    shape: tuple[int, ...] = ()  # a recurrent op's sizes
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Segment:
 
     ops: list[Op]
     out_norm: torch.Tensor | None = None
+    scale: float = 1.0  # the output's scale before the residual add
 
 
 @dataclass
@@ -108,6 +112,11 @@ def _op_struct(op: Op, keep: list[Any]) -> DecodeOp:
         s.k_cache, s.v_cache = op.cache[0].data_ptr(), op.cache[1].data_ptr()
     if op.rope is not None:
         s.cos, s.sin = op.rope[0].data_ptr(), op.rope[1].data_ptr()
+    s.w3, s.w4 = _ptr(op.w3), _ptr(op.w4)
+    if op.shape:
+        shape = (ctypes.c_int64 * len(op.shape))(*op.shape)
+        keep.append(shape)
+        s.shape = ctypes.addressof(shape)
     return s
 
 
@@ -157,7 +166,10 @@ class FusedDecode:
         """x: [B, hidden] float32 contiguous, one decode per row; changed in place."""
         program = self._compiled(kv_caches)
         self.dims.block_size = meta.block_size
-        self.dims.kv = KV_KINDS[kv_caches[0][0].dtype]
+        self.dims.kv = KV_KINDS[next(c for c in kv_caches if isinstance(c, tuple))[0].dtype] \
+            if any(isinstance(c, tuple) for c in kv_caches) else 0
+        slots = meta.decode_state_slots
+        self.dims.state_slots = None if slots is None else slots.data_ptr()
         tables = meta.decode_block_tables
         for i in range(len(PARTS)):
             self.times[i] = 0.0
@@ -182,4 +194,4 @@ def _residual_add(seg: Segment) -> list[Op]:
     which joins x (normed first where the part says)."""
     last = seg.ops[-1]
     last.dst = "tmp"
-    return [Op("add", "tmp", "x", last.part, w=seg.out_norm)]
+    return [Op("add", "tmp", "x", last.part, w=seg.out_norm, scale=seg.scale)]

@@ -67,23 +67,32 @@ def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
+# llama.cpp's state-space parameters that are no module's weight: (GGUF part, its suffix, "" for
+# none: "blk.{i}.ssm_a") -> the suffix of the mixer's own parameter in the checkpoint (Mamba2, Gated
+# DeltaNet), whose module the architecture names for the part; attention sinks likewise ("self_attn.sinks").
+SSM_PARAMS = {("ssm_a", ""): "A_log", ("ssm_d", ""): "D", ("ssm_dt", "bias"): "dt_bias",
+              ("attn_sinks", "weight"): "sinks", ("exp_probs_b", "bias"): "e_score_correction_bias"}
+
+
 def hf_name(name: str, spec) -> str:
     """The Hugging Face name of a GGUF tensor (llama.cpp's names for ``spec``'s architecture)."""
-    from ferry.model.arch.parts import NAMES
+    from ferry.model.arch.parts import MODEL_ROLES
 
-    base, kind = name.rsplit(".", 1)
-    for role in ("embed", "final_norm", "lm_head"):
-        if base == NAMES[role][1]:
-            return f"{NAMES[role][0]}.{kind}"
+    names = spec.name_table()
+    suffixless = name.startswith("blk.") and name.count(".") == 2
+    base, kind = (name, "") if suffixless else name.rsplit(".", 1)
+    for role in MODEL_ROLES:
+        if base == names[role][1]:
+            return f"{names[role][0]}.{kind}"
     if base in CONFIG_TENSORS:
         return name
     if not base.startswith("blk."):
         raise ValueError(f"unknown GGUF tensor {name!r}")
     _, layer, part = base.split(".", 2)
-    names = spec.gguf_layer_names()
-    if part not in names:
+    layer_names = spec.gguf_layer_names()
+    if part not in layer_names:
         raise ValueError(f"unknown GGUF tensor {name!r}")
-    return f"model.layers.{layer}.{names[part]}.{kind}"
+    return f"{spec.layer_prefix}.{layer}.{layer_names[part]}.{SSM_PARAMS.get((part, kind), kind)}"
 
 
 def hf_tensors(reader, keep: tuple[str, ...] = ()):
@@ -109,6 +118,9 @@ def hf_tensors(reader, keep: tuple[str, ...] = ()):
         if spec.norm_offset and t.name.endswith("norm.weight") and qtype not in keep:
             data = data - np.float32(spec.norm_offset)
         name = hf_name(t.name, spec)
+        if spec.gguf_tensor is not None and qtype not in keep:
+            data = spec.gguf_tensor(name, data)
+            shape = tuple(data.shape)
         if "{e}" in name:
             for e in range(shape[0]):
                 yield name.format(e=e), qtype, shape[1:], np.ascontiguousarray(data[e])
@@ -132,7 +144,8 @@ def gguf_architecture(reader, where: str = "GGUF"):
 
 def gguf_head_counts(reader) -> tuple[int, int]:
     """(attention heads, KV heads) of a GGUF."""
-    arch = gguf_architecture(reader).gguf_name
+    gguf_architecture(reader)  # refused by name if ferry reads no such architecture
+    arch = reader.fields["general.architecture"].contents()  # the metadata's prefix (an alias's too)
 
     def field(key: str):
         f = reader.fields.get(f"{arch}.{key}")
@@ -170,7 +183,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     reader = GGUFReader(str(gguf_path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     spec = gguf_architecture(reader, str(gguf_path))
-    arch = spec.gguf_name
+    arch = reader.fields["general.architecture"].contents()
 
     def m(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -178,7 +191,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     n_heads, n_kv = gguf_head_counts(reader)
     tensors = {name: w for name, _, _, w in hf_tensors(reader)}
     tied = "lm_head.weight" not in tensors
-    emb = tensors["model.embed_tokens.weight"]
+    emb = tensors[f"{spec.name_table()['embed'][0]}.weight"]
     config = {
         "architectures": [spec.hf_name], "model_type": spec.model_type,
         "vocab_size": emb.shape[0], "hidden_size": m("embedding_length"),

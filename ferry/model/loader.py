@@ -66,12 +66,13 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
             weights = unfuse(cached_gguf_weights(gguf, model_dir), cfg)
             set_activations(weights, config.quant_activations)
             return weights
-    return unfuse(load_safetensors(model_dir), cfg)
+    return unfuse(load_safetensors(model_dir, cfg.arch.skip_prefixes), cfg)
 
 
-def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint."""
-    from safetensors.torch import load_file
+def load_safetensors(model_dir: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The tensors of a (possibly sharded) safetensors checkpoint, but those whose names start with
+    one of ``skip`` (parts of the checkpoint the model does not run, e.g. a vision tower)."""
+    from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -84,5 +85,8 @@ def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (model_dir / name).is_file():
             raise FileNotFoundError(f"weight file {name!r} is missing from {str(model_dir)!r}")
-        tensors.update(load_file(str(model_dir / name)))
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith(skip) or not skip:
+                    tensors[key] = f.get_tensor(key)
     return tensors

@@ -41,6 +41,9 @@ class ShardPlan:
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         if world < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
+        if world > 1 and cfg.recurrent_layers:
+            raise ValueError(f"tensor_parallel_size {world}: {cfg.architecture}'s recurrent layers are not split "
+                             "over ranks; use tensor_parallel_size 1")
         group = hq // hkv
         if hkv >= world:
             kv = split(hkv, world, rank)

@@ -34,7 +34,7 @@ def declared(cfg: ModelConfig) -> Iterator[tuple[str, TensorDecl]]:
     for i in range(cfg.num_layers):
         decls = layer_tensors(cfg, i)
         plain = [d for d in decls if not d.experts]
-        named = [_name(names, i, d) for d in plain]
+        named = [_name(names, i, d, prefix=cfg.arch.layer_prefix) for d in plain]
         if len(set(named)) < len(named):
             twice = sorted({n for n in named if named.count(n) > 1})
             raise ValueError(f"{cfg.architecture} declares two tensors named {', '.join(twice)}: rename a role")
@@ -42,12 +42,13 @@ def declared(cfg: ModelConfig) -> Iterator[tuple[str, TensorDecl]]:
         by_expert = [d for d in decls if d.experts]
         for e in range(by_expert[0].experts if by_expert else 0):
             for d in by_expert:
-                yield _name(names, i, d, e), d
+                yield _name(names, i, d, e, cfg.arch.layer_prefix), d
 
 
-def _name(names: dict[str, tuple[str, str]], layer: int, d: TensorDecl, expert: int | None = None) -> str:
+def _name(names: dict[str, tuple[str, str]], layer: int, d: TensorDecl, expert: int | None = None,
+          prefix: str = "model.layers") -> str:
     hf = names[d.role][0]
-    return f"model.layers.{layer}.{hf.format(e=expert) if expert is not None else hf}.{d.suffix}"
+    return f"{prefix}.{layer}.{hf.format(e=expert) if expert is not None else hf}.{d.suffix}"
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -91,10 +92,11 @@ class WeightTaker:
                  device: torch.device) -> None:
         self.cfg, self.weights, self.plan, self.dtype, self.device = cfg, weights, plan, dtype, device
         self.names = cfg.arch.name_table()
+        self.prefix = cfg.arch.layer_prefix
         hd = cfg.head_dim
         self.spans = {"q": (plan.q_heads[0] * hd, plan.q_heads[1] * hd),
                       "kv": (plan.kv_heads[0] * hd, plan.kv_heads[1] * hd),
-                      "mlp": plan.mlp, "experts": plan.experts, "vocab": plan.vocab}
+                      "mlp": plan.mlp, "experts": plan.experts, "vocab": plan.vocab, "heads": plan.q_heads}
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -133,14 +135,14 @@ class WeightTaker:
         out: dict[str, Any] = {}
         for d in layer_tensors(self.cfg, i):
             if d.experts:
-                ws = [self.take(_name(self.names, i, d, e), d) for e in range(d.experts)]
+                ws = [self.take(_name(self.names, i, d, e, self.prefix), d) for e in range(d.experts)]
                 key = f"expert_{d.fuse}" if d.fuse else d.role
                 if d.fuse:
                     groups.setdefault(key, []).append(ws)
                 else:
                     out[key] = ws
                 continue
-            w = self.take(_name(self.names, i, d), d)
+            w = self.take(_name(self.names, i, d, prefix=self.prefix), d)
             if d.fuse:
                 groups.setdefault(d.fuse, []).append(w)
             else:

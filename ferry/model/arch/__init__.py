@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ferry.model.arch.parts import NAMES
+from ferry.model.arch.parts import MODEL_ROLES, NAMES
 
 
 def _nothing(d: dict[str, Any]) -> dict[str, Any]:
@@ -28,6 +28,7 @@ class Architecture:
     hf_name: str  # config.json's ``architectures`` entry
     model_type: str  # config.json's ``model_type`` (used when ``architectures`` is absent)
     gguf_name: str | None = None  # a GGUF's ``general.architecture``
+    gguf_aliases: tuple[str, ...] = ()  # other names llama.cpp writes it under (Nemotron-H with experts)
     # config.json -> ModelConfig fields that differ from the Llama defaults, ``layers`` among them.
     configure: Callable[[dict[str, Any]], dict[str, Any]] = _nothing
     # Tensor roles whose (Hugging Face, GGUF) names differ from parts.NAMES.
@@ -41,6 +42,16 @@ class Architecture:
     # Checkpoint tensors that hold several roles' rows (Phi-3's qkv_proj): Hugging Face name ->
     # (GGUF name, the roles in row order); split at load.
     checkpoint_fused: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    layer_prefix: str = "model.layers"  # the checkpoint's layers are "{layer_prefix}.{i}." (Nemotron-H: backbone.layers)
+    # A GGUF tensor as llama.cpp stores it -> as the checkpoint keeps it (Hugging Face name, array):
+    # conventions such as a stored -exp(A_log) or a squeezed conv weight.
+    gguf_tensor: Callable[[str, Any], Any] | None = None
+    # config.json's hidden_act names the MLP's activation (Nemotron-H's is a key transformers ignores).
+    checks_hidden_act: bool = True
+    # A multimodal checkpoint run as its language model: config.json's text_config holds the model's
+    # fields, and the checkpoint's tensors under these prefixes are not read (its vision tower).
+    text_config: bool = False
+    skip_prefixes: tuple[str, ...] = ()
 
     def name_table(self) -> dict[str, tuple[str, str]]:
         """Every role's (Hugging Face, GGUF) names for this architecture."""
@@ -48,16 +59,18 @@ class Architecture:
 
     def gguf_layer_names(self) -> dict[str, str]:
         """llama.cpp's per-layer tensor names -> Hugging Face's, for a GGUF of this architecture."""
-        out = {gg: hf for role, (hf, gg) in self.name_table().items() if not hf.startswith(("model.", "lm_head"))}
+        out = {gg: hf for role, (hf, gg) in self.name_table().items() if role not in MODEL_ROLES}
         out.update({gg: hf for hf, (gg, _) in self.checkpoint_fused.items()})
         return out
 
 
 def _registry() -> dict[str, Architecture]:
-    from ferry.model.arch import gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe, smollm3
+    from ferry.model.arch import (gemma3, granite4, lfm2, llama, mistral, nemotron_h, phi3, qwen2, qwen3, qwen3_5,
+                                  qwen3_moe, smollm3)
 
     archs = [llama.ARCH, mistral.ARCH, qwen2.ARCH, qwen3.ARCH, qwen3_moe.ARCH, gemma3.ARCH, phi3.ARCH,
-             smollm3.ARCH]
+             smollm3.ARCH, lfm2.ARCH, qwen3_5.ARCH, qwen3_5.MOE_ARCH, qwen3_5.VL_ARCH, qwen3_5.VL_MOE_ARCH,
+             granite4.ARCH, nemotron_h.ARCH]
     return {a.hf_name: a for a in archs}
 
 
@@ -91,7 +104,7 @@ def find(names: list[str], model_type: str | None, where: str) -> Architecture:
 def by_gguf(name: str | None, where: str) -> Architecture:
     """The architecture of a GGUF's ``general.architecture``, or a ValueError listing the ones ferry reads."""
     for a in ARCHITECTURES.values():
-        if a.gguf_name == name:
+        if name is not None and (a.gguf_name == name or name in a.gguf_aliases):
             return a
     names = ", ".join(a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name)
     raise ValueError(f"{where}: unsupported GGUF architecture {name!r}; ferry reads {names}")

@@ -30,11 +30,21 @@ NAMES: dict[str, tuple[str, str]] = {
     "expert_gate": ("mlp.experts.{e}.gate_proj", "ffn_gate_exps"),
     "expert_up": ("mlp.experts.{e}.up_proj", "ffn_up_exps"),
     "expert_down": ("mlp.experts.{e}.down_proj", "ffn_down_exps"),
+    "shared_gate": ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+    "shared_up": ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+    "shared_down": ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+    "shared_router": ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
+    # gpt-oss's per-head sink logits: a parameter of the module itself ("self_attn.sinks", by suffix).
+    "sinks": ("self_attn", "attn_sinks"),
 }
 
+MODEL_ROLES = ("embed", "final_norm", "lm_head")  # the model's own tensors (the others are per layer)
+
 # How tensor parallelism cuts a tensor: by output rows or input columns, over the ShardPlan's span
-# of query heads, KV heads, MLP columns, experts' MLP columns or vocabulary ("" : every rank holds it).
-CUTS = ("", "rows:q", "rows:kv", "cols:q", "rows:mlp", "cols:mlp", "rows:experts", "cols:experts", "rows:vocab")
+# of query heads, KV heads, MLP columns, experts' MLP columns or vocabulary ("" : every rank holds it);
+# "rows:heads": one entry per query head (the span of query heads itself, not times head_dim).
+CUTS = ("", "rows:q", "rows:kv", "cols:q", "rows:mlp", "cols:mlp", "rows:experts", "cols:experts", "rows:vocab",
+        "rows:heads")
 
 
 @dataclass(frozen=True)
@@ -62,18 +72,28 @@ class AttentionSpec:
     bias: bool = False  # biases on q, k, v (Qwen2)
     scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
     out_norm: bool = False  # an RMS norm of its output before the residual add (Gemma)
+    rotary_dim: int | None = None  # rope turns only each head's first rotary_dim values (None: all)
+    # q_proj also emits a per-head gate: each head's rows are its q, then its gate (Qwen3.5); the
+    # output is attention * sigmoid(gate) before o. (Tensor parallelism would need its q span doubled.)
+    output_gate: bool = False
+    # A learned logit per query head that joins each query's softmax denominator and holds no value
+    # (gpt-oss's attention sinks): softmax over [scores, sink], the sink's share dropped.
+    sinks: bool = False
 
     kind = "attention"
 
     def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        out = [TensorDecl("q", (q, c.hidden_size), "rows:q", "qkv"), TensorDecl("k", (kv, c.hidden_size), "rows:kv", "qkv"),
+        q_rows = 2 * q if self.output_gate else q
+        out = [TensorDecl("q", (q_rows, c.hidden_size), "rows:q", "qkv"), TensorDecl("k", (kv, c.hidden_size), "rows:kv", "qkv"),
                TensorDecl("v", (kv, c.hidden_size), "rows:kv", "qkv"), TensorDecl("o", (c.hidden_size, q), "cols:q")]
         if self.bias:
             out += [TensorDecl(r, (n,), cut, "qkv_bias", suffix="bias")
                     for r, n, cut in (("q", q, "rows:q"), ("k", kv, "rows:kv"), ("v", kv, "rows:kv"))]
         if self.qk_norm:
             out += [TensorDecl("q_norm", (c.head_dim,), norm=True), TensorDecl("k_norm", (c.head_dim,), norm=True)]
+        if self.sinks:
+            out.append(TensorDecl("sinks", (c.num_heads,), "rows:heads", suffix="sinks"))
         return out
 
 
@@ -102,30 +122,57 @@ class ExpertsSpec:
     renorm: bool = False  # the chosen experts' weights renormalised to sum to 1
     act: str = "silu"
     out_norm: bool = False
+    # A shared expert of this width every token runs, scaled by sigmoid(its one-row gate) (Qwen2-MoE,
+    # Qwen3.5-MoE); 0: none. Not cut by tensor parallelism (every rank would add it: hybrids are refused there).
+    shared_intermediate: int = 0
 
     kind = "experts"
 
     def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
-        e, i = self.num_experts, self.intermediate
-        return [TensorDecl("router", (e, c.hidden_size), dense=True),
-                TensorDecl("expert_gate", (i, c.hidden_size), "rows:experts", "gate_up", experts=e),
-                TensorDecl("expert_up", (i, c.hidden_size), "rows:experts", "gate_up", experts=e),
-                TensorDecl("expert_down", (c.hidden_size, i), "cols:experts", experts=e)]
+        e, i, h = self.num_experts, self.intermediate, c.hidden_size
+        out = [TensorDecl("router", (e, h), dense=True),
+               TensorDecl("expert_gate", (i, h), "rows:experts", "gate_up", experts=e),
+               TensorDecl("expert_up", (i, h), "rows:experts", "gate_up", experts=e),
+               TensorDecl("expert_down", (h, i), "cols:experts", experts=e)]
+        if self.shared_intermediate:
+            s = self.shared_intermediate
+            out += [TensorDecl("shared_gate", (s, h), fuse="shared_gate_up"),
+                    TensorDecl("shared_up", (s, h), fuse="shared_gate_up"), TensorDecl("shared_down", (h, s)),
+                    TensorDecl("shared_router", (1, h), dense=True)]
+        return out
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: x += mixer(norm(x)); x += mlp(norm(x)) (each output normed where it says)."""
+    """One decoder layer: x += mixer(norm(x)); x += mlp(norm(x)) (each output normed where it says).
 
-    mixer: AttentionSpec
-    mlp: MLPSpec | ExpertsSpec
+    The mixer is attention over the paged KV cache, or a recurrent part (a spec with
+    ``state_shapes``: its per-request state lives in the state slots beside the KV blocks). Either
+    block may be absent (Nemotron-H's layers are one block each)."""
+
+    mixer: Any
+    mlp: Any = None
 
     def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
-        norms = [TensorDecl("input_norm", (c.hidden_size,), norm=True)]
-        norms += [TensorDecl("attn_out_norm", (c.hidden_size,), norm=True)] if self.mixer.out_norm else []
-        norms += [TensorDecl("mlp_norm", (c.hidden_size,), norm=True)]
-        norms += [TensorDecl("mlp_out_norm", (c.hidden_size,), norm=True)] if self.mlp.out_norm else []
-        return norms + self.mixer.tensors(c) + self.mlp.tensors(c)
+        norms = []
+        if self.mixer is not None:
+            norms += [TensorDecl("input_norm", (c.hidden_size,), norm=True)]
+            norms += [TensorDecl("attn_out_norm", (c.hidden_size,), norm=True)] if self.mixer.out_norm else []
+        if self.mlp is not None:
+            norms += [TensorDecl("mlp_norm", (c.hidden_size,), norm=True)]
+            norms += [TensorDecl("mlp_out_norm", (c.hidden_size,), norm=True)] if self.mlp.out_norm else []
+        parts = [p for p in (self.mixer, self.mlp) if p is not None]
+        return norms + [t for p in parts for t in p.tensors(c)]
+
+    @property
+    def attention(self) -> AttentionSpec | None:
+        """Its mixer when that is attention over the KV cache."""
+        return self.mixer if isinstance(self.mixer, AttentionSpec) else None
+
+    @property
+    def recurrent(self) -> Any:
+        """Its mixer when that keeps a recurrent state (``state_shapes``), else None."""
+        return self.mixer if hasattr(self.mixer, "state_shapes") else None
 
 
 def model_tensors(hidden: int, vocab: int, tied: bool) -> list[TensorDecl]:
@@ -162,3 +209,194 @@ def llama_layers(d: dict[str, Any], *, windows: list[int | None] | None = None,
         mlp = expert_spec() if experts and experts[i] else MLPSpec(act, out_norm)
         out.append(LayerSpec(mixer, mlp))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class ShortConvSpec:
+    """LFM2's gated short convolution: in_proj gives B, C and x; C * conv(B * x), a causal depthwise
+    convolution over the last ``kernel`` inputs (no activation); then out_proj. Its state is the
+    window of the last ``kernel - 1`` inputs of the convolution."""
+
+    kernel: int  # config.json's conv_L_cache: the convolution's taps
+    bias: bool = False  # biases on in_proj, the convolution and out_proj (conv_bias)
+
+    kind = "short_conv"
+    out_norm = False
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        h = c.hidden_size
+        out = [TensorDecl("short_conv_in", (3 * h, h)), TensorDecl("short_conv", (h, 1, self.kernel)),
+               TensorDecl("short_conv_out", (h, h))]
+        if self.bias:
+            # Each bias its own one-tensor product ("<role>_bias"), so it does not take its weight's key.
+            out += [TensorDecl(r, (n,), fuse=f"{r}_bias", suffix="bias")
+                    for r, n in (("short_conv_in", 3 * h), ("short_conv", h), ("short_conv_out", h))]
+        return out
+
+    def state_shapes(self, c: "ModelConfig") -> dict[str, tuple[int, ...]]:
+        return {"conv": (self.kernel - 1, c.hidden_size)}
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Qwen3.5's Gated DeltaNet (linear attention): one product gives q, k, v (through a causal
+    depthwise convolution of ``conv_kernel`` taps and SiLU), the output gate z and the per-head b, a;
+    q and k L2-normed; the gated delta rule with decay g = -exp(A_log) * softplus(a + dt_bias) and
+    rate beta = sigmoid(b) (each q/k head serves ``v_heads // k_heads`` value heads); a
+    plain-w RMS norm of each value head times silu(z); then out_proj. Its state is the convolution's
+    window and each value head's [k_dim, v_dim] matrix (transformers' orientation: out = q @ S)."""
+
+    k_heads: int  # linear_num_key_heads
+    v_heads: int  # linear_num_value_heads
+    k_dim: int  # linear_key_head_dim
+    v_dim: int  # linear_value_head_dim
+    conv_kernel: int = 4  # linear_conv_kernel_dim
+    # llama.cpp's order of the value heads (its GGUFs): value head h reads q/k head h % k_heads,
+    # not h // (v_heads // k_heads); the state is per value head either way.
+    v_tiled: bool = False
+
+    kind = "gated_deltanet"
+    out_norm = False
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: q, k, v side by side."""
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        h, hv, vd = c.hidden_size, self.v_heads, self.v_heads * self.v_dim
+        return [TensorDecl("gdn_qkv", (self.conv_dim, h), fuse="gdn_in"), TensorDecl("gdn_z", (vd, h), fuse="gdn_in"),
+                TensorDecl("gdn_b", (hv, h), fuse="gdn_in"), TensorDecl("gdn_a", (hv, h), fuse="gdn_in"),
+                TensorDecl("gdn_conv", (self.conv_dim, 1, self.conv_kernel)),
+                TensorDecl("gdn_A_log", (hv,), suffix="A_log"), TensorDecl("gdn_dt_bias", (hv,), suffix="dt_bias"),
+                TensorDecl("gdn_norm", (self.v_dim,)), TensorDecl("gdn_out", (h, vd))]
+
+    def state_shapes(self, c: "ModelConfig") -> dict[str, tuple[int, ...]]:
+        return {"conv": (self.conv_kernel - 1, self.conv_dim), "ssm": (self.v_heads, self.k_dim, self.v_dim)}
+
+
+def mamba2_names(module: str) -> dict[str, tuple[str, str]]:
+    """A Mamba2 mixer's roles under ``module`` of a layer (Granite 4: "mamba", Nemotron-H: "mixer"),
+    with llama.cpp's names. A_log, D and dt_bias carry no ".weight": their declarations name them by
+    suffix; each bias is its own role (its own one-tensor product, "<role>_bias")."""
+    return {"ssm_in": (f"{module}.in_proj", "ssm_in"), "ssm_conv1d": (f"{module}.conv1d", "ssm_conv1d"),
+            "ssm_dt": (module, "ssm_dt"), "ssm_a": (module, "ssm_a"), "ssm_d": (module, "ssm_d"),
+            "ssm_norm": (f"{module}.norm", "ssm_norm"), "ssm_out": (f"{module}.out_proj", "ssm_out")}
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """Mamba2's selective state-space mixer (SSD): in_proj gives the gate z, the convolved xBC and
+    one time step per head; a causal depthwise convolution of ``conv_kernel`` taps with SiLU on xBC,
+    split into x (``heads`` heads of ``head_dim``), B and C (``n_groups`` groups of ``d_state``, each
+    shared by heads / n_groups consecutive heads); dt = softplus(dt + dt_bias) within ``dt_limit``;
+    the scan with A = -exp(A_log) and the D skip, chunked by ``chunk_size`` over a prefill; an RMS
+    norm of y * silu(z) over each of the n_groups groups of channels (plain w); out_proj. Its state is
+    the convolution's window and each head's [head_dim, d_state] matrix."""
+
+    heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True
+    proj_bias: bool = False  # biases on in_proj and out_proj
+
+    kind = "mamba2"
+    out_norm = False
+
+    @property
+    def inner(self) -> int:
+        """The scanned channels: heads * head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, B and C side by side."""
+        return self.inner + 2 * self.n_groups * self.d_state
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        h, inner, conv, heads = c.hidden_size, self.inner, self.conv_dim, self.heads
+        out = [TensorDecl("ssm_in", (inner + conv + heads, h)), TensorDecl("ssm_conv1d", (conv, 1, self.conv_kernel)),
+               TensorDecl("ssm_dt", (heads,), suffix="dt_bias"), TensorDecl("ssm_a", (heads,), suffix="A_log"),
+               TensorDecl("ssm_d", (heads,), suffix="D"), TensorDecl("ssm_norm", (inner,)),
+               TensorDecl("ssm_out", (h, inner))]
+        biases = [("ssm_conv1d", conv)] if self.conv_bias else []
+        biases += [("ssm_in", inner + conv + heads), ("ssm_out", h)] if self.proj_bias else []
+        return out + [TensorDecl(r, (n,), fuse=f"{r}_bias", suffix="bias") for r, n in biases]
+
+    def state_shapes(self, c: "ModelConfig") -> dict[str, tuple[int, ...]]:
+        return {"conv": (self.conv_kernel - 1, self.conv_dim), "ssm": (self.heads, self.head_dim, self.d_state)}
+
+
+@dataclass(frozen=True)
+class NoRopeAttentionSpec(AttentionSpec):
+    """Softmax attention over the paged KV cache with q and k not rotated: the recurrent layers carry
+    the order (Granite 4's hybrids, position_embedding_type "nope"; Nemotron-H)."""
+
+    kind = "attention_nope"
+
+
+@dataclass(frozen=True)
+class PlainMLPSpec:
+    """act(up), then down: a non-gated MLP (Nemotron-H's relu^2) of ``intermediate`` columns (None:
+    the model's intermediate_size)."""
+
+    act: str = "relu2"
+    intermediate: int | None = None
+    out_norm: bool = False
+
+    kind = "plain_mlp"
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        i = self.intermediate or c.intermediate_size
+        return [TensorDecl("up", (i, c.hidden_size), "rows:mlp"), TensorDecl("down", (c.hidden_size, i), "cols:mlp")]
+
+
+@dataclass(frozen=True)
+class StackedExpertsSpec(ExpertsSpec):
+    """Granite 4's experts: the router's softmax over each token's top-k logits (renorm), every
+    expert of a projection in one 3-D checkpoint tensor ([experts, 2 * intermediate, hidden], each
+    expert's gate rows first; [experts, hidden, intermediate]; one tensor per expert where not
+    ``stacked``, as a GGUF gives them), and a shared gated MLP of the model's intermediate_size on
+    the same input, added (no gate on it)."""
+
+    stacked: bool = True
+
+    kind = "stacked_experts"
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        e, i, h = self.num_experts, self.intermediate, c.hidden_size
+        routed = ([TensorDecl("router", (e, h), dense=True), TensorDecl("experts_gate_up", (e, 2 * i, h)),
+                   TensorDecl("experts_down", (e, h, i))] if self.stacked else ExpertsSpec.tensors(self, c))
+        return routed + MLPSpec(self.act).tensors(c)
+
+
+@dataclass(frozen=True)
+class SigmoidExpertsSpec(ExpertsSpec):
+    """Nemotron-H's (Nemotron 3) experts: sigmoid scores plus a correction bias choose the top-k
+    among the best ``topk_groups`` of ``groups`` groups (a group's score: its two best); the chosen
+    experts' sigmoid scores (renormalised where ``renorm``) times ``scale`` weigh non-gated act(up)
+    -> down experts, run in a ``latent`` space where given (fc1/fc2 around them); a shared non-gated
+    MLP of ``shared`` columns on the input is added."""
+
+    shared: int = 0
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+    latent: int | None = None
+
+    kind = "sigmoid_experts"
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        e, i, h = self.num_experts, self.intermediate, c.hidden_size
+        x = self.latent or h
+        out = [TensorDecl("router", (e, h), dense=True),
+               TensorDecl("router_bias", (e,), dense=True, suffix="e_score_correction_bias"),
+               TensorDecl("expert_up", (i, x), experts=e), TensorDecl("expert_down", (x, i), experts=e),
+               TensorDecl("shared_up", (self.shared, h)), TensorDecl("shared_down", (h, self.shared))]
+        if self.latent:
+            out += [TensorDecl("latent_in", (x, h)), TensorDecl("latent_out", (h, x))]
+        return out

@@ -33,9 +33,9 @@ from typing import Any
 from ferry.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c",
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "skinny_gemm.c", "quant_gemm.c", "decode_layers.c", "recurrent_decode.c",
                                                  "quant_dequant.c", "quant_q8.c", "quant_q8_packed.c", "row_ops.c", "int8_peak.c",
-                                                 "ferry_abi.c")]
+                                                 "recurrent_prefill.c", "ferry_abi.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("ferry_kernels.h", "vec.h", "vmath.h", "f32_rows.h", "quant_types.h", "kv_types.h", "quant_q8.h",
                                                  "row_ops.h", "decode_ops.h")]
 # The machine types the kernels are written for (platform.machine()'s names of x86-64).
@@ -87,18 +87,18 @@ class DecodeOp(ctypes.Structure):
     _fields_ = [(n, i64) for n in ("code", "src", "dst", "part")] + [("w", ptr), ("w2", ptr), ("type", i64),
                                                                      ("parts", ptr)] \
         + [(n, i64) for n in ("n_parts", "n", "k")] + [("scale", f32)] \
-        + [(n, ptr) for n in ("k_cache", "v_cache", "cos", "sin")]
+        + [(n, ptr) for n in ("k_cache", "v_cache", "cos", "sin", "w3", "w4", "shape")]
 
 
 # decode_ops.h's DECODE_BUFFERS: the row buffers the ops read and write.
-DECODE_BUFFERS = 9
+DECODE_BUFFERS = 11
 
 
 class DecodeDims(ctypes.Structure):
     """decode_ops.h's decode_dims_t: what every op of a fused decode reads."""
 
     _fields_ = [(n, i64) for n in ("n_heads", "n_kv_heads", "head_dim", "block_size", "kv")] \
-        + [("eps", f32), ("width", i64 * DECODE_BUFFERS)]
+        + [("eps", f32), ("width", i64 * DECODE_BUFFERS), ("state_slots", ptr)]
 
 
 # ferry_kernels.h's structs (FERRY_KERNEL_STRUCTS): their ctypes mirrors by C name.
@@ -106,9 +106,9 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {"ferry_qt_traits_t": QtTraits, "de
                                               "decode_dims_t": DecodeDims, "wpart_t": WeightPart}
 # ferry_kernels.h's functions (FERRY_KERNEL_FUNCTIONS), in its order: (restype, argtypes).
 SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
-    "paged_decode_attention": (None, [ptr] * 6 + [i64] * 6 + [f32, i64, i64]),
+    "paged_decode_attention": (None, [ptr] * 6 + [i64] * 6 + [f32, i64, i64, ptr]),
     "kv_store": (None, [ptr, ptr, i64, i64]),
-    "paged_prefill_attention": (i32, [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, f32, i64, i64]),
+    "paged_prefill_attention": (i32, [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, f32, i64, i64, ptr]),
     "skinny_gemm": (None, [ptr, ptr, ptr, i64, i64, i64]),
     "quant_gemm": (None, [ptr, ptr, ptr, i64, i64, i64, i64]),
     "quant_dequant": (None, [ptr, ptr, ptr, i64, i64, i64]),
@@ -119,6 +119,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "rms_norm_rows": (None, [ptr, i64, ptr, ptr, i64, i64, f32]),
     "rope_rows": (None, [ptr, i64, i64, i64, ptr, ptr, ptr, i64]),
     "gated_act_rows": (None, [ptr, ptr, i64, i64, i64]),
+    "conv_rows": (None, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]),
+    "gdn_prefill": (i32, [ptr] * 9),
     "decode_ops": (i32, [ctypes.POINTER(DecodeOp), i64, ctypes.POINTER(DecodeDims), ptr, ptr, i64, ptr, ptr, i64,
                          ptr, ptr, ptr]),
     "decode_counts": (None, [ptr]),

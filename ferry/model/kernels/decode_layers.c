@@ -87,38 +87,96 @@ int decode_ops(const decode_op_t *ops, int64_t n_ops, const decode_dims_t *d, fl
         case OP_MATMUL:
             status = matmul_stack(src, op->w, op->type, op->parts, op->n_parts, dst, B, op->n, op->k);
             break;
-        case OP_BIAS: {
+        case OP_BIAS: { /* n: the bias's length (0: dst's width) */
             const float *bias = (const float *)op->w;
+            const int64_t n = op->n ? op->n : wd;
             for (int64_t b = 0; b < B; b++)
-                for (int64_t j = 0; j < wd; j++) dst[b * wd + j] += bias[j];
+                for (int64_t j = 0; j < n; j++) dst[b * wd + j] += bias[j];
             break;
         }
         case OP_ROPE_KV: /* q, k normed per head by w, w2 where given (Qwen3), rotated in the qkv rows (src); q
-                          * to dst; k, v into the cache */
+                          * to dst; k, v into the cache. k: q heads' stride in the row where their gates sit
+                          * between them (Qwen3.5; 0: D); n: the rotated dimensions of each head (0: D; < 0:
+                          * none). */
+            if (op->k == 0 && op->n == 0) {
+                ROWS(B, {
+                    float *row = src + b * ws;
+                    if (op->w) {
+                        for (int64_t hh = 0; hh < Hq; hh++)
+                            rms_norm(row + hh * D, (const float *)op->w, row + hh * D, 1, D, d->eps);
+                        for (int64_t hh = Hq; hh < Hq + Hkv; hh++)
+                            rms_norm(row + hh * D, (const float *)op->w2, row + hh * D, 1, D, d->eps);
+                    }
+                    rope(row, Hq + Hkv, D, op->cos + positions[b] * D, op->sin + positions[b] * D);
+                    memcpy(dst + b * wd, row, sizeof(float) * Hq * D);
+                    store_kv((char *)op->k_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D, kv, d->kv);
+                    store_kv((char *)op->v_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D + kv, kv, d->kv);
+                });
+                break;
+            }
             ROWS(B, {
-                float *row = src + b * ws;
-                if (op->w) {
-                    for (int64_t hh = 0; hh < Hq; hh++)
-                        rms_norm(row + hh * D, (const float *)op->w, row + hh * D, 1, D, d->eps);
-                    for (int64_t hh = Hq; hh < Hq + Hkv; hh++)
-                        rms_norm(row + hh * D, (const float *)op->w2, row + hh * D, 1, D, d->eps);
+                const int64_t qs = op->k ? op->k : D, rd = op->n > 0 ? op->n : D;
+                float *row = src + b * ws, *krow = row + Hq * qs;
+                const float *c = op->cos ? op->cos + positions[b] * rd : NULL;
+                const float *s = op->sin ? op->sin + positions[b] * rd : NULL;
+                for (int64_t hh = 0; hh < Hq + Hkv; hh++) {
+                    float *head = hh < Hq ? row + hh * qs : krow + (hh - Hq) * D;
+                    if (op->w) rms_norm(head, (const float *)(hh < Hq ? op->w : op->w2), head, 1, D, d->eps);
+                    if (op->n >= 0) rope(head, 1, rd, c, s); /* n < 0: no rotation (Mamba2 hybrids' attention) */
+                    if (hh < Hq) memcpy(dst + b * wd + hh * D, head, sizeof(float) * D);
                 }
-                rope(row, Hq + Hkv, D, op->cos + positions[b] * D, op->sin + positions[b] * D);
-                memcpy(dst + b * wd, row, sizeof(float) * Hq * D);
-                store_kv((char *)op->k_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D, kv, d->kv);
-                store_kv((char *)op->v_cache + kv_bytes(slots[b] * kv, d->kv), row + Hq * D + kv, kv, d->kv);
+                store_kv((char *)op->k_cache + kv_bytes(slots[b] * kv, d->kv), krow, kv, d->kv);
+                store_kv((char *)op->v_cache + kv_bytes(slots[b] * kv, d->kv), krow + kv, kv, d->kv);
             });
+            break;
+        case OP_RELU2: /* dst = max(src, 0)^2 (Nemotron-H's plain MLP) */
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t j = 0; j < wd; j++) {
+                    const float v = src[b * ws + j] > 0.0f ? src[b * ws + j] : 0.0f;
+                    dst[b * wd + j] = v * v;
+                }
+            break;
+        case OP_GATE: /* dst's n heads of k floats times sigmoid of their gates in src (each after its q head) */
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t hh = 0; hh < op->n; hh++) {
+                    const float *g = src + b * ws + hh * 2 * op->k + op->k;
+                    float *o = dst + b * wd + hh * op->k;
+                    for (int64_t j = 0; j < op->k; j++) o[j] *= 1.0f / (1.0f + expf(-g[j]));
+                }
             break;
         case OP_ATTENTION:
             paged_decode_attention(src, op->k_cache, op->v_cache, tables, lens, dst, B, Hq, Hkv, D, d->block_size,
-                                   max_blocks, op->scale, op->n, d->kv);
+                                   max_blocks, op->scale, op->n, d->kv, (const float *)op->w);
             break;
         case OP_GATED_ACT:
             ROWS(B, gated_act(src + b * ws, dst + b * wd, wd, op->n));
             break;
-        case OP_ADD: /* dst += src, src normed by w first where there is one (Gemma's output norms) */
+        case OP_ADD: { /* dst += scale * src (scale 0: 1), src normed by w first where there is one (Gemma's
+                        * output norms) */
             if (op->w) rms_norm(src, (const float *)op->w, src, B, ws, d->eps);
-            for (int64_t j = 0; j < B * wd; j++) dst[j] += src[j];
+            const float sc = op->scale != 0.0f ? op->scale : 1.0f;
+            for (int64_t j = 0; j < B * wd; j++) dst[j] += sc * src[j];
+            break;
+        }
+        case OP_GDN: {
+            const int64_t *sh = op->shape; /* k heads, v heads, k dim, v dim, conv taps, tiled */
+            status = gdn_decode(src, ws, dst, wd, B, d->state_slots, op->k_cache, op->v_cache, op->w, op->w3, op->w4,
+                                op->w2, sh[0], sh[1], sh[2], sh[3], sh[4], sh[5], d->eps)
+                         ? DECODE_OOM
+                         : 0;
+            break;
+        }
+        case OP_SHORT_CONV: /* shape: channels, conv taps */
+            status = short_conv_decode(src, ws, dst, wd, B, d->state_slots, op->k_cache, op->w, op->w2, op->shape[0],
+                                       op->shape[1])
+                         ? DECODE_OOM
+                         : 0;
+            break;
+        case OP_MAMBA2:
+            status = mamba2_decode(src, ws, dst, wd, B, d->state_slots, op->k_cache, op->v_cache, op->w, op->w2,
+                                   op->w3, op->w4, op->shape, d->eps)
+                         ? DECODE_OOM
+                         : 0;
             break;
         default:
             status = DECODE_BAD_OP;

@@ -11,14 +11,19 @@ enum {
     OP_MATMUL,     /* dst[:, :n] = src[:, :k] @ w^T (w of type, or parts) */
     OP_BIAS,       /* dst += w */
     OP_ROPE_KV,    /* src's q, k heads normed by w, w2 where given, then rotated; q to dst; k, v into the cache */
-    OP_ATTENTION,  /* dst = paged attention of src's q (window n, scale) */
+    OP_ATTENTION,  /* dst = paged attention of src's q (window n, scale; w: per-head sink logits or NULL) */
     OP_GATED_ACT,  /* dst = act(src's gate) * src's up (n: 0 SiLU, 1 GELU-tanh) */
     OP_ADD,        /* dst += src (normed by w first where w) */
+    OP_GDN,        /* dst = Gated DeltaNet's gated-normed heads of src's in-projection row (recurrent_decode.c) */
+    OP_SHORT_CONV, /* dst = LFM2's c * conv(b * x) of src's in-projection row (recurrent_decode.c) */
+    OP_GATE,       /* dst's heads *= sigmoid(their output gates in src) (Qwen3.5's gated attention) */
+    OP_MAMBA2,     /* dst = Mamba2's gated-normed scan output of src's in-projection row (recurrent_decode.c) */
+    OP_RELU2,      /* dst = max(src, 0)^2 */
     DECODE_OPS
 };
 
 /* The row buffers: x (the residual stream) and out (the caller's) are given, the others allocated. */
-enum { BUF_X, BUF_OUT, BUF_H, BUF_QKV, BUF_Q, BUF_ATTN, BUF_GU, BUF_ACT, BUF_TMP, DECODE_BUFFERS };
+enum { BUF_X, BUF_OUT, BUF_H, BUF_QKV, BUF_Q, BUF_ATTN, BUF_GU, BUF_ACT, BUF_TMP, BUF_RIN, BUF_ROUT, DECODE_BUFFERS };
 
 enum { DECODE_OOM = 1, DECODE_BAD_OP = 2 };
 
@@ -35,8 +40,10 @@ typedef struct {
     const wpart_t *parts;         /* a stack of types, or NULL */
     int64_t n_parts, n, k;
     float scale;
-    void *k_cache, *v_cache;
+    void *k_cache, *v_cache;      /* a recurrent op's state tensors: its conv windows, its state matrices */
     const float *cos, *sin;
+    const float *w3, *w4;         /* a recurrent op's further weights */
+    const int64_t *shape;         /* a recurrent op's sizes */
 } decode_op_t;
 
 typedef struct {
@@ -44,6 +51,7 @@ typedef struct {
     int64_t kv;                   /* the KV cache's element type (kv_types.h) */
     float eps;
     int64_t width[DECODE_BUFFERS];
+    const int64_t *state_slots;   /* each row's recurrent-state slot (hybrid models), set every step */
 } decode_dims_t;
 
 #endif

@@ -34,17 +34,18 @@ typedef struct {
 
 /* Paged decode attention (paged_attention.c): q [B, Hq, D], the layer's caches k, v [slots, Hkv,
  * D] of element type kv (kv_types.h), tables [B, max_blocks], lens [B], out [B, Hq, D]; window 0
- * for none. */
+ * for none; sinks [Hq] per-head sink logits in every softmax denominator (NULL: none). */
 void paged_decode_attention(const float *q, const void *k, const void *v, const int64_t *tables,
                             const int64_t *lens, float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv);
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv,
+                            const float *sinks);
 /* n floats into a cache row of type kv, as the fused decode writes them (paged_attention.c). */
 void kv_store(void *dst, const float *src, int64_t n, int64_t kv);
-/* Prefill attention over spans [n_spans][4] (prefill_attention.c): 1 served, 0 a head size it does
- * not take, -1 out of memory (MemoryError on the Python side). */
+/* Prefill attention over spans [n_spans][4] (prefill_attention.c), sinks as decode's: 1 served, 0 a
+ * head size it does not take, -1 out of memory (MemoryError on the Python side). */
 int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, const int64_t *slots,
                             const int64_t *spans, int64_t n_spans, float *out, int64_t Hq, int64_t Hkv, int64_t D,
-                            float scale, int64_t window, int64_t kv);
+                            float scale, int64_t window, int64_t kv, const float *sinks);
 /* y[M, N] = x[M, K] @ w[N, K]^T in float32 (skinny_gemm.c). */
 void skinny_gemm(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K);
 /* y[M, N] = x[M, K] @ dequant(w)^T, type a quant type id plus FERRY_QT_Q8 / FERRY_QT_PACKED (quant_gemm.c). */
@@ -65,11 +66,32 @@ void rms_norm_rows(const float *x, int64_t x_stride, const float *w, float *out,
 void rope_rows(float *x, int64_t row_stride, int64_t heads, int64_t D, const float *cos, const float *sin,
                const int64_t *positions, int64_t T);
 void gated_act_rows(const float *gu, float *out, int64_t T, int64_t I, int64_t gelu);
+/* The recurrent layers' prefill work (recurrent_prefill.c): a chunk's causal depthwise convolution
+ * over T rows of C channels from its window; a chunk's gated delta rule (Gated DeltaNet), shape
+ * [T, hv, dk, dv, chunk, q/k, v, g/beta and out row strides, hk, tiled, norm]: 0, or 1 when out of memory. */
+void conv_rows(const float *x, int64_t x_stride, const float *window, const float *w, const float *bias, float *y,
+               float *new_window, int64_t T, int64_t C, int64_t K, int64_t silu);
+int gdn_prefill(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                const float *state_in, float *state_out, float *out, const int64_t *shape);
 /* The layers of a decode-only step as a list of ops over row buffers (decode_layers.c,
  * decode_ops.h): 0, or DECODE_OOM / DECODE_BAD_OP. */
 int decode_ops(const decode_op_t *ops, int64_t n_ops, const decode_dims_t *d, float *x, float *out, int64_t B,
                const int64_t *positions, const int64_t *tables, int64_t max_blocks, const int64_t *lens,
                const int64_t *slots, double *times);
+/* One decode token of a Gated DeltaNet layer for B rows, each in its state slot (recurrent_decode.c):
+ * 0, or 1 when out of memory. */
+int gdn_decode(const float *in, int64_t in_stride, float *out, int64_t out_stride, int64_t B, const int64_t *slots,
+               float *windows, float *states, const float *conv_w, const float *neg_a, const float *dt_bias,
+               const float *norm_w, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t K, int64_t tiled,
+               float eps);
+/* One decode token of LFM2's gated short convolution for B rows (recurrent_decode.c): 0, or 1 when out of memory. */
+int short_conv_decode(const float *in, int64_t in_stride, float *out, int64_t out_stride, int64_t B,
+                      const int64_t *slots, float *windows, const float *conv_w, const float *conv_b, int64_t H,
+                      int64_t K);
+/* One decode token of a Mamba2 layer for B rows (recurrent_decode.c): 0, or 1 when out of memory. */
+int mamba2_decode(const float *in, int64_t in_stride, float *out, int64_t out_stride, int64_t B, const int64_t *slots,
+                  float *windows, float *states, const float *conv_w, const float *conv_b, const float *params,
+                  const float *norm_w, const int64_t *shape, float eps);
 /* DECODE_OPS and DECODE_BUFFERS into out[2], for the Python side's op and buffer names. */
 void decode_counts(int64_t *out);
 /* Row i of FERRY_KERNEL_FUNCTIONS: its name and signature ("v:ppi": return kind, then one kind per
@@ -82,11 +104,11 @@ int64_t ferry_abi_struct(int64_t i, const char **name, int64_t *size);
 #define FERRY_KERNEL_FUNCTIONS(X)                                                                           \
     X(void, paged_decode_attention, (const float *, const void *, const void *, const int64_t *,            \
                                      const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, \
-                                     int64_t, float, int64_t, int64_t))                                     \
+                                     int64_t, float, int64_t, int64_t, const float *))                      \
     X(void, kv_store, (void *, const float *, int64_t, int64_t))                                            \
     X(int, paged_prefill_attention, (const float *, int64_t, const void *, const void *, const int64_t *,   \
                                      const int64_t *, int64_t, float *, int64_t, int64_t, int64_t, float,   \
-                                     int64_t, int64_t))                                                     \
+                                     int64_t, int64_t, const float *))                                      \
     X(void, skinny_gemm, (const float *, const float *, float *, int64_t, int64_t, int64_t))                \
     X(void, quant_gemm, (const float *, const uint8_t *, float *, int64_t, int64_t, int64_t, int64_t))      \
     X(void, quant_dequant, (const uint8_t *, const int64_t *, float *, int64_t, int64_t, int64_t))          \
@@ -98,6 +120,10 @@ int64_t ferry_abi_struct(int64_t i, const char **name, int64_t *size);
     X(void, rope_rows, (float *, int64_t, int64_t, int64_t, const float *, const float *, const int64_t *,  \
                         int64_t))                                                                           \
     X(void, gated_act_rows, (const float *, float *, int64_t, int64_t, int64_t))                            \
+    X(void, conv_rows, (const float *, int64_t, const float *, const float *, const float *, float *,       \
+                        float *, int64_t, int64_t, int64_t, int64_t))                                       \
+    X(int, gdn_prefill, (const float *, const float *, const float *, const float *, const float *,         \
+                         const float *, float *, float *, const int64_t *))                                 \
     X(int, decode_ops, (const decode_op_t *, int64_t, const decode_dims_t *, float *, float *, int64_t,     \
                         const int64_t *, const int64_t *, int64_t, const int64_t *, const int64_t *, double *)) \
     X(void, decode_counts, (int64_t *))                                                                     \

@@ -7,6 +7,8 @@
  * tables: [B, max_blocks] block ids of each request
  * lens:   [B]             context length of each request (the query's own token included)
  * out:    [B, Hq, D]
+ * sinks:  [Hq] or NULL: each query head's sink logit, which joins every softmax denominator and
+ *         adds no value (gpt-oss); the merge of a request's ranges starts from it
  * Work is split over (request, range of slots) items with OpenMP, sharing torch's thread pool:
  * one long request alone still uses every thread. Decode attention streams the whole KV context of every
  * request each step, so it is bound by memory bandwidth: one pass, each byte read once.
@@ -164,7 +166,8 @@ static inline __attribute__((always_inline)) void one_range(
 }
 
 /* one_range for a (G, D) the switch below instantiates; returns 0 for another shape. One function
- * per cache type, so each stays as compact as the float32 one was. */
+ * per cache type, so each stays as compact as the float32 one was. (D / V = 32: heads of 256 with
+ * AVX2's 8 lanes, Qwen3.5's and Gemma's.) */
 #define ONE_RANGE_ANY(name, KV) \
 static __attribute__((noinline)) int name(const float *q, const void *k, const void *v, const int64_t *table, \
         int64_t j0, int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D, int64_t G, \
@@ -174,6 +177,7 @@ static __attribute__((noinline)) int name(const float *q, const void *k, const v
         CASE(KV, 1, 4) CASE(KV, 2, 4) CASE(KV, 3, 4) CASE(KV, 4, 4) CASE(KV, 5, 4) CASE(KV, 6, 4) CASE(KV, 7, 4) \
         CASE(KV, 8, 4) CASE(KV, 1, 8) CASE(KV, 2, 8) CASE(KV, 3, 8) CASE(KV, 4, 8) CASE(KV, 5, 8) CASE(KV, 6, 8) \
         CASE(KV, 7, 8) CASE(KV, 8, 8) CASE(KV, 1, 16) CASE(KV, 2, 16) CASE(KV, 4, 16) CASE(KV, 8, 16) \
+        CASE(KV, 1, 32) CASE(KV, 2, 32) CASE(KV, 4, 32) \
         default: return 0; \
     } \
 }
@@ -224,7 +228,8 @@ static void one_range_plain(const float *q, const void *k, const void *v, const 
 void paged_decode_attention(const float *q, const void *k, const void *v,
                             const int64_t *tables, const int64_t *lens, float *out,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv) {
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t window, int64_t kv,
+                            const float *sinks) {
     const int64_t G = Hq / Hkv;
     /* Work items: (request, range of RANGE slots); first[b] is request b's first item. With a
      * sliding window (window > 0) a request's ranges cover its last `window` positions only. */
@@ -255,12 +260,14 @@ void paged_decode_attention(const float *q, const void *k, const void *v,
             }
         }
         free(scores);
-        /* Merge each request's ranges: rescale to the common max, add, divide by the sum. */
+        /* Merge each request's ranges: rescale to the common max, add, divide by the sum (the sink's
+         * exponential in it first, where there is one). */
         #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
             for (int64_t hq = 0; hq < Hq; hq++) {
-                float m = -INFINITY, total = 0.f;
+                float m = sinks ? sinks[hq] : -INFINITY, total = 0.f;
                 for (int64_t it = first[b]; it < first[b + 1]; it++) m = fmaxf(m, pm[it * Hq + hq]);
+                if (sinks) total = expf(sinks[hq] - m);
                 float *o = out + (b * Hq + hq) * D;
                 for (int64_t d = 0; d < D; d++) o[d] = 0.f;
                 for (int64_t it = first[b]; it < first[b + 1]; it++) {

@@ -8,6 +8,8 @@
  * slots:  per span, the cache slot of every position 0 .. ctx_len + q_len - 1
  * spans:  [n_spans, 4] int64: first packed row, q_len, ctx_len, offset of the span's slots
  * out:    [T, Hq, D]; only the spans' rows are written
+ * sinks:  [Hq] or NULL: each query head's sink logit, which joins every softmax denominator and
+ *         adds no value (gpt-oss); the running softmax starts from it
  *
  * A work item is V query rows of one KV head: a row is one of the head group's G query heads at
  * one position (position-major), so the G heads that share K/V share each tile. Both products
@@ -33,6 +35,7 @@ typedef struct {
     const void *k, *v;
     int64_t Hq, Hkv, D, window;
     float scale;
+    const float *sinks;
 } attn_t;
 
 /* Rows r0 .. r0 + V - 1 of span (first, q_len, ctx) for KV head h; qt, ot: [D][V], kb, vb: [TK][D]. */
@@ -41,9 +44,14 @@ static inline __attribute__((always_inline)) void one_item(
         int64_t r0, float *out, float *qt, float *ot, float *kb, float *vb, const int kv) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, rows = q_len * G, row = a->Hkv * D;
     vi pos;  /* each row's position; -1 for rows past the span's end, which see no key */
+    vf m = (vf){0} - 1e30f, l = (vf){0};  /* finite start: no inf - inf */
     for (int i = 0; i < V; i++) {
         const int64_t r = r0 + i, t = r / G, hq = h * G + r % G;
         pos[i] = r < rows ? (int32_t)(ctx + t) : -1;
+        if (a->sinks && r < rows) {  /* the sink: a first key of weight exp(sink), no value */
+            m[i] = fmaxf(a->sinks[hq], -1e30f);
+            l[i] = expf(a->sinks[hq] - m[i]);
+        }
         for (int64_t d = 0; d < D; d++)
             qt[d * V + i] = r < rows ? a->q[(first + t) * a->q_stride + hq * D + d] * a->scale : 0.f;
     }
@@ -51,7 +59,6 @@ static inline __attribute__((always_inline)) void one_item(
     const int64_t last = r0 + V - 1 < rows ? r0 + V - 1 : rows - 1;
     const int64_t p0 = ctx + r0 / G, p1 = ctx + last / G;
     const int64_t lo = a->window > 0 && p0 - a->window + 1 > 0 ? p0 - a->window + 1 : 0;
-    vf m = (vf){0} - 1e30f, l = (vf){0};  /* finite start: no inf - inf */
     for (int64_t j0 = lo; j0 <= p1; j0 += TK) {
         const int64_t n = p1 + 1 - j0 < TK ? p1 + 1 - j0 : TK;
         for (int64_t t = 0; t < TK; t++) {
@@ -122,10 +129,10 @@ ITEM_KV(item_q8_0, KV_Q8_0)
  * when out of memory (the rows of out then incomplete). */
 int paged_prefill_attention(const float *q, int64_t q_stride, const void *k, const void *v, const int64_t *slots,
                             const int64_t *spans, int64_t n_spans, float *out, int64_t Hq, int64_t Hkv, int64_t D,
-                            float scale, int64_t window, int64_t kv) {
+                            float scale, int64_t window, int64_t kv, const float *sinks) {
     if (D % V || Hq % Hkv) return 0;
     const int64_t G = Hq / Hkv;
-    const attn_t a = {q, q_stride, k, v, Hq, Hkv, D, window, scale};
+    const attn_t a = {q, q_stride, k, v, Hq, Hkv, D, window, scale, sinks};
     /* Items: (span, KV head, V rows); first[s] is span s's first item. */
     int64_t *first = malloc(sizeof(int64_t) * (n_spans + 1));
     if (!first) return -1;

@@ -11,8 +11,19 @@ from typing import Any, Callable
 
 from ferry.model.layers.attention import Attention
 from ferry.model.layers.experts import RoutedExperts
+from ferry.model.layers.gated_deltanet import GatedDeltaNet
 from ferry.model.layers.mlp import GatedMLP
+from ferry.model.layers.short_conv import ShortConv
+from ferry.model.layers.attention_nope import NoRopeAttention
+from ferry.model.layers.hybrid_experts import SigmoidExperts, StackedExperts
+from ferry.model.layers.mamba2 import Mamba2
+from ferry.model.layers.mlp import PlainMLP
 
 # A declaration's kind -> the part that computes it: build(spec, weights by role, model facts).
 PARTS: dict[str, Callable[..., Any]] = {"attention": Attention.build, "mlp": GatedMLP.build,
-                                        "experts": RoutedExperts.build}
+                                        "experts": RoutedExperts.build,
+                                        "short_conv": ShortConv.build,
+                                        "gated_deltanet": GatedDeltaNet.build,
+                                        "mamba2": Mamba2.build, "plain_mlp": PlainMLP.build,
+                                        "attention_nope": NoRopeAttention.build,
+                                        "stacked_experts": StackedExperts.build, "sigmoid_experts": SigmoidExperts.build}

@@ -1,5 +1,6 @@
 """Routed experts: a router picks each token's top k experts, each a gated MLP; the outputs are
-summed by the router's weights. No op in the fused C decode: such models decode through torch."""
+summed by the router's weights, plus a shared expert's output scaled by sigmoid of its one-row gate
+where the model has one. No op in the fused C decode: such models decode through torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,12 +34,17 @@ class RoutedExperts:
     top_k: int
     renorm: bool = False
     act: str = "silu"
+    shared_gate_up: Weight | None = None  # [2 * shared intermediate, hidden]: the shared expert every token runs
+    shared_down: Weight | None = None
+    shared_router: torch.Tensor | None = None  # [1, hidden]: its output times sigmoid(h @ this)
     end = "down"
 
     @classmethod
     def build(cls, spec: ExpertsSpec, w: dict[str, Any], facts: Any) -> "RoutedExperts":
+        shared = [packed(w["shared_gate_up"]), packed(w["shared_down"]), w["shared_router"]] \
+            if spec.shared_intermediate else [None, None, None]
         return cls(w["router"], [packed(x) for x in w["expert_gate_up"]], [packed(x) for x in w["expert_down"]],
-                   spec.top_k, spec.renorm, spec.act)
+                   spec.top_k, spec.renorm, spec.act, *shared)
 
     def forward(self, h: torch.Tensor, ctx: StepContext | None = None, cache: Any = None) -> torch.Tensor:
         """Each token's top-k experts, weighted; each expert runs once over all its tokens."""
@@ -57,6 +63,10 @@ class RoutedExperts:
                 start += n
         out = torch.zeros_like(h)
         out = out.index_add_(0, tokens, ys * weights.reshape(-1)[order, None].to(h.dtype))
+        if self.shared_gate_up is not None:
+            gate, up = linear(h, self.shared_gate_up, use_kernel=use_kernel).chunk(2, dim=-1)
+            shared = linear(act(gate) * up, self.shared_down, use_kernel=use_kernel)
+            out = out + torch.sigmoid(F.linear(h, self.shared_router)) * shared
         if ctx is not None:
             ctx.tick("experts")
         return out

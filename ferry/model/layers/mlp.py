@@ -1,4 +1,5 @@
-"""The gated MLP: act(gate) * up, then down, with gate and up as one product."""
+"""The gated MLP: act(gate) * up, then down, with gate and up as one product; and the plain one,
+act(up), then down (Nemotron-H's relu^2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,8 +8,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ferry.model.arch.parts import MLPSpec
-from ferry.model.fused_decode import Op
+from ferry.model.arch.parts import MLPSpec, PlainMLPSpec
+from ferry.model.fused_decode import NotFused, Op
 from ferry.model.layers.context import StepContext
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.quant import packed
@@ -48,4 +49,39 @@ class GatedMLP:
         inter, hidden = self.gate_up.shape[0] // 2, self.gate_up.shape[1]
         return [Op("matmul", "h", "gu", "gate_up", w=self.gate_up, n=2 * inter, k=hidden, width=2 * inter),
                 Op("gated_act", "gu", "act", "act", n=int(self.act == "gelu_tanh"), width=inter),
+                Op("matmul", "act", "out", "down", w=self.down, n=hidden, k=inter, width=hidden)]
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+# The plain MLP's activations: the gated ones', and squared ReLU.
+PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {**ACTIVATIONS, "relu2": _relu2}
+
+
+@dataclass
+class PlainMLP:
+    up: Weight  # [intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
+    act: str = "relu2"
+    end = "down"  # the profiler's name for the residual add after it
+
+    @classmethod
+    def build(cls, spec: PlainMLPSpec, w: dict[str, Any], facts: Any) -> "PlainMLP":
+        return cls(packed(w["up"]), packed(w["down"]), spec.act)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, cache: Any = None) -> torch.Tensor:
+        up = linear(h, self.up, use_kernel=ctx.use_kernel)
+        ctx.tick("up")
+        h = PLAIN_ACTIVATIONS[self.act](up)
+        ctx.tick("act")
+        return linear(h, self.down, use_kernel=ctx.use_kernel)
+
+    def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
+        if self.act != "relu2":
+            raise NotFused(f"the fused C decode has no {self.act} op")
+        inter, hidden = self.up.shape[0], self.up.shape[1]
+        return [Op("matmul", "h", "gu", "gate_up", w=self.up, n=inter, k=hidden, width=inter),
+                Op("relu2", "gu", "act", "act", width=inter),
                 Op("matmul", "act", "out", "down", w=self.down, n=hidden, k=inter, width=hidden)]
