@@ -35,6 +35,15 @@ ENGINE_HELP = {
              "else the first). A name is read from the Hugging Face cache (HF_HOME, HF_HUB_CACHE) and "
              "downloaded if it is not there, unless HF_HUB_OFFLINE=1; a local path of the same spelling "
              "wins. Default: the embedded SmolLM2-135M-Instruct",
+    "speculative_config": "speculative decoding, as JSON (vLLM's form): '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' drafts by prompt lookup; "
+                          "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' drafts with a smaller model of the "
+                          "same vocabulary (a directory, .gguf or Hugging Face name; its KV shares the target's "
+                          "blocks and --kv-cache-memory-gb). Optional: disable_by_batch_size (no drafts from that "
+                          "many running requests)",
+    "max_num_encoder_tokens": "image models: a step's vision-encoder budget in image tokens; a prompt chunk "
+                              "that would start an image whose encoding does not fit what is left ends before "
+                              "it (an image larger than the budget runs alone). Default: --max-num-batched-tokens",
     "num_state_slots": "models with recurrent layers (Qwen3.5, LFM2, Mamba2 hybrids): per-request state slots, "
                        "shared by running requests and the prefix cache's state snapshots. Default: two per "
                        "sequence within half of --kv-cache-memory-gb",

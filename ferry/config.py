@@ -7,27 +7,38 @@ from typing import Any
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, as vLLM's ``--speculative-config`` spells it. Only ``ngram`` (prompt
+    """Speculative decoding, as vLLM's ``--speculative-config`` spells it. ``ngram`` (prompt
     lookup): draft up to ``num_speculative_tokens`` tokens that followed an earlier occurrence
     of the request's last n tokens, n in ``[prompt_lookup_min, prompt_lookup_max]``.
+    ``draft_model`` (the method when ``model`` is given): a smaller model with the same
+    vocabulary (a directory, .gguf or Hugging Face name, as ``EngineConfig.model``) runs
+    ``num_speculative_tokens`` steps to propose them; its KV lives in the same blocks as the
+    target's (one block table, the memory budget shared).
     ``disable_by_batch_size``: no drafts while this many requests or more are running (a
     verify step of many rows costs its compute; speculation pays where a step is bound by
     reading the weights, i.e. small batches)."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when model is given, else "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram' (the only drafter ferry has), "
+        if self.method is None:  # frozen: the resolved method is set once here
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model: it is needed for method "
+                             f"'draft_model' and only for it (method {self.method!r}, model {self.model!r})")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is None and name == "disable_by_batch_size":
@@ -97,6 +108,10 @@ class EngineConfig:
     # value; accuracy cost in README.
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 512
+    # Image models: a step's vision-encoder budget in image tokens (vLLM's max_num_encoder_input_tokens):
+    # a chunk that would start an image whose encoding does not fit what is left of it ends before
+    # the image (an image larger than the whole budget still runs alone). None: max_num_batched_tokens.
+    max_num_encoder_tokens: int | None = None
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16
@@ -158,6 +173,9 @@ class EngineConfig:
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
               "max_num_batched_tokens", "an integer >= 1")
+        check(self.max_num_encoder_tokens is None or (
+              isinstance(self.max_num_encoder_tokens, int) and self.max_num_encoder_tokens >= 1),
+              "max_num_encoder_tokens", "an integer >= 1")
         check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1")
         check(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "an integer >= 1")
@@ -177,6 +195,15 @@ class EngineConfig:
         check(0 < self.max_grammar_compile_seconds < float("inf"), "max_grammar_compile_seconds", "> 0")
         self._check_policies(check)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.draft_model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with a draft model runs on one rank: "
+                             "tensor_parallel_size must be 1")
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model speculation runs (``speculative_config.model``), or None."""
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method == "draft_model" else None
 
     def _check_policies(self, check: Any) -> None:
         def positive_or_none(name: str) -> None:

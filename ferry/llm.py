@@ -5,10 +5,13 @@ import time
 from typing import Any, Sequence
 
 from ferry.config import EngineConfig
+from ferry.core.multimodal import ImageFeature
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.llm_engine import LLMEngine
 from ferry.engine.outputs import RequestOutput
 from ferry.model.tokenizer import apply_chat_template
+from ferry.multimodal.images import ImageError, ImageLimits
+from ferry.multimodal.parts import load_images, message_content, take_images
 
 Prompt = str | list[int]
 
@@ -38,10 +41,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 images: Sequence[tuple[ImageFeature, ...]] | None = None) -> list[RequestOutput]:
         """Generate for every prompt together; outputs come back in input order.
 
         A prompt is a string or a list of token ids. With ``n > 1`` an output holds n completions.
+        ``images``: each prompt's images, as ``chat`` makes them (``image_prompter.encode``).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -54,6 +59,8 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(images)} image lists")
         # Every request is checked before any is queued, so a bad one leaves the engine untouched.
         ids: list[list[str]] = []
         added: list[str] = []
@@ -64,7 +71,8 @@ class LLM:
                     sub_sp = sp if sp.n == 1 else sp.nth(k)
                     rid = f"{self._counter}-{i}-{k}"
                     self.engine.add_request(prompt, sub_sp, request_id=rid,
-                                            priority=priority[i] if priority else 0)
+                                            priority=priority[i] if priority else 0,
+                                            images=images[i] if images else ())
                     added.append(rid)
                     subs.append(rid)
                 ids.append(subs)
@@ -85,14 +93,39 @@ class LLM:
             outputs.append(first)
         return outputs
 
-    def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Like generate, with each conversation rendered by the model's chat template."""
+             use_tqdm: bool = True, image_limits: ImageLimits | None = None) -> list[RequestOutput]:
+        """Like generate, with each conversation rendered by the model's chat template.
+
+        A message's content may be a list of parts, as OpenAI's chat takes them: text, and images
+        as ``{"type": "image_url", "image_url": {"url": ...}}`` or ``{"type": "image", "image":
+        PATH | bytes | PIL.Image}``, for a model that takes images. ``image_limits``: what an
+        image may be (default: ``ImageLimits()``; URLs are fetched only where it allows them).
+        Raises ImageError (a ValueError naming the part) for an image that cannot be used."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts, images = [], []
+        for conv in conversations:
+            ids, features = self._chat_prompt(conv, image_limits or ImageLimits())  # type: ignore[arg-type]
+            prompts.append(ids)
+            images.append(features)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, images=images)
+
+    def _chat_prompt(self, conv: list[dict[str, Any]], limits: ImageLimits
+                     ) -> tuple[list[int], tuple[ImageFeature, ...]]:
+        """A conversation's prompt token ids and its images' features."""
+        conv = [{**m, "content": message_content(m["content"], f"messages[{i}].content", m.get("role"),
+                                                 own_images=True)}
+                if isinstance(m.get("content"), list) else m for i, m in enumerate(conv)]
+        conv, refs = take_images(conv)
+        if not refs:
+            return apply_chat_template(self.tokenizer, conv), ()
+        prompter = self.engine.image_prompter
+        if prompter is None:
+            raise ImageError(f"{refs[0].field}: this model does not accept images", refs[0].field)
+        pictures = load_images(refs, limits)
+        return prompter.encode(self.tokenizer.render_chat(conv), pictures)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
               use_tqdm: bool = True) -> list[list[float]]:

@@ -58,6 +58,10 @@ def hf_config(kind: str):
         c = dict(COMMON, num_hidden_layers=3)
         return tf.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                  norm_topk_prob=True, mlp_only_layers=[1], rope_parameters=rope("default"), **c)
+    if kind == "gpt-oss":  # windowed (8) and full layers alternating, YaRN untruncated, 4 experts (top 2)
+        rp = dict(rope("yarn"), beta_fast=32.0, beta_slow=1.0, truncate=False)
+        return tf.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                               rope_parameters=rp, **dict(COMMON, num_hidden_layers=3, intermediate_size=32))
     if kind == "smollm3":  # layers 0-2 rotate, layer 3 does not
         return tf.SmolLM3Config(rope_parameters=rope("default"), pad_token_id=0, **dict(COMMON, num_hidden_layers=4))
     raise KeyError(kind)
@@ -66,7 +70,15 @@ def hf_config(kind: str):
 def make_model(kind: str, path: Path):
     """A random model of ``kind`` saved in ``path`` (eager attention, float32), returned in eval mode."""
     torch.manual_seed(0)
-    return random_model(hf_config(kind), path)
+    return random_model(hf_config(kind), path, perturb_gpt_oss if kind == "gpt-oss" else perturb_norms_and_biases)
+
+
+def perturb_gpt_oss(name: str, p: torch.Tensor) -> None:
+    """Norms and biases perturbed, and the experts' gate_up weights 5x, so that their clamp (7.0)
+    cuts some gate and up values."""
+    perturb_norms_and_biases(name, p)
+    if name.endswith("experts.gate_up_proj"):
+        p.mul_(5.0)
 
 
 def perturb_norms_and_biases(name: str, p: torch.Tensor) -> None:
@@ -110,7 +122,9 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
 _GEMMA_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-             "phi3": "phi3", "qwen3_moe": "qwen3moe", "smollm3": "smollm3"}
+             "phi3": "phi3", "qwen3_moe": "qwen3moe", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
+# gpt-oss under llama.cpp's names (its norm before the MLP is "post_attention_norm"; sinks carry ".weight").
+_GPT_OSS_LAYER = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
 PERMUTED = ("llama", "smollm3")  # llama.cpp's "normal" rope: q/k rows interleaved
 
 
@@ -154,6 +168,11 @@ def _arch_metadata(w, gguf, cfg, arch: str, hd: int) -> None:
     if arch == "phi3":
         w.add_rope_dimension_count(hd)
         w.add_sliding_window(cfg.sliding_window or 0)
+    elif arch == "gpt-oss":  # as llama.cpp's converter: its feed-forward length is the experts'
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
     elif arch == "qwen3moe":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -174,6 +193,9 @@ def _tensors(name: str, a: np.ndarray, cfg, arch: str):
         yield "output.weight", a
         return
     _, _, layer, rest = name.split(".", 3)
+    if arch == "gpt-oss":
+        yield from _gpt_oss_tensors(layer, rest, a)
+        return
     if rest == "mlp.experts.gate_up_proj":  # [experts, 2 * intermediate, hidden]: gate rows first
         half = a.shape[1] // 2
         yield f"blk.{layer}.ffn_gate_exps.weight", a[:, :half]
@@ -193,10 +215,81 @@ def _tensors(name: str, a: np.ndarray, cfg, arch: str):
     yield f"blk.{layer}.{names[part]}.{kind}", a
 
 
-def write_gguf(model, path: Path, quantize: str = "F32") -> Path:
+def _gpt_oss_tensors(layer: str, rest: str, a: np.ndarray):
+    """gpt-oss's tensors as llama.cpp's converter writes them from float experts: gate_up_proj
+    [E, hidden, 2I] transposed and split into its even (gate) and odd (up) rows, down_proj transposed."""
+    if rest == "self_attn.sinks":
+        yield f"blk.{layer}.attn_sinks.weight", a
+    elif rest.startswith("mlp.experts.gate_up_proj"):
+        a = a if rest.endswith("_bias") else a.swapaxes(-1, -2)
+        kind = "bias" if rest.endswith("_bias") else "weight"
+        gate, up = (a[..., ::2], a[..., 1::2]) if kind == "bias" else (a[:, ::2], a[:, 1::2])
+        yield f"blk.{layer}.ffn_gate_exps.{kind}", gate
+        yield f"blk.{layer}.ffn_up_exps.{kind}", up
+    elif rest == "mlp.experts.down_proj":
+        yield f"blk.{layer}.ffn_down_exps.weight", a.swapaxes(-1, -2)
+    elif rest == "mlp.experts.down_proj_bias":
+        yield f"blk.{layer}.ffn_down_exps.bias", a
+    else:
+        part, kind = rest.rsplit(".", 1)
+        yield f"blk.{layer}.{dict(_LAYER, **_GPT_OSS_LAYER)[part]}.{kind}", a
+
+
+def gguf_matrix(name: str, a: np.ndarray, model_type: str) -> np.ndarray:
+    """A Hugging Face matrix as its GGUF tensor's rows (gpt-oss's stacked experts are [in, out]:
+    transposed), for rounding it along the rows the GGUF quantizes."""
+    transposed = model_type == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    return a.swapaxes(-1, -2) if transposed else a
+
+
+def rounded_model(model, qtype: str, only_experts: bool = False):
+    """A copy of ``model`` with every matrix (or only its experts') rounded to ``qtype`` and back by
+    the gguf library, along the rows its GGUF quantizes: the reference a quantized file should match."""
+    import copy
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    t_ = GGMLQuantizationType[qtype]
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, t in out.state_dict().items():
+            if t.ndim >= 2 and not name.endswith("bias") and (not only_experts or ".experts." in name):
+                a = np.ascontiguousarray(gguf_matrix(name, t.float().numpy(), model.config.model_type))
+                back = dequantize(quantize(a, t_), t_).reshape(a.shape)
+                t.copy_(torch.from_numpy(np.ascontiguousarray(gguf_matrix(name, back, model.config.model_type))))
+    return out
+
+
+def gguf_model(model, path: Path):
+    """A copy of ``model`` holding the weights of GGUF ``path`` (written from it, maybe quantized
+    since, e.g. by llama-quantize) dequantized by the gguf library: the reference that file should
+    match. Each Hugging Face tensor's entries are found in the file by sending their indices through
+    the same renaming as ``write_gguf`` (for architectures whose GGUF only moves values: gpt-oss)."""
+    import copy
+
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    stored = {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+        tuple(int(x) for x in reversed(t.shape.tolist()))) for t in reader.tensors}
+    out, cfg = copy.deepcopy(model), model.config
+    with torch.no_grad():
+        for name, t in out.state_dict().items():
+            flat = t.view(-1)
+            idx = np.arange(t.numel(), dtype=np.int64).reshape(t.shape)
+            for gname, where in _tensors(name, idx, cfg, GGUF_ARCH[cfg.model_type]):
+                at = torch.from_numpy(np.ascontiguousarray(where, dtype=np.int64).reshape(-1))
+                flat[at] = torch.from_numpy(stored[gname].reshape(-1).copy())
+    return out
+
+
+def write_gguf(model, path: Path, quantize: str = "F32", experts: str | None = None) -> Path:
     """``model``'s weights as a GGUF of its llama.cpp architecture: llama.cpp's tensor and metadata
     names, and its conventions (permuted q/k rows, Gemma's stored 1 + w, stacked experts). Matrices
-    are float32, or quantized by the gguf library (``quantize="Q8_0"``); norms stay float32."""
+    are float32, or quantized by the gguf library (``quantize="Q8_0"``); norms stay float32. The
+    experts' matrices in ``experts`` where given (gpt-oss's MXFP4), the others in ``quantize``."""
     import gguf
 
     cfg = model.config
@@ -210,7 +303,7 @@ def write_gguf(model, path: Path, quantize: str = "F32") -> Path:
     w.add_eos_token_id(cfg.eos_token_id)
     for name, t in model.state_dict().items():
         for out, a in _tensors(name, t.float().numpy(), cfg, arch):
-            add_tensor(w, out, a, quantize)
+            add_tensor(w, out, a, experts if experts and "_exps." in out else quantize, keep_float=out.endswith(".bias"))
     return finish(w, path)
 
 

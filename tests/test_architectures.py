@@ -5,7 +5,6 @@ Llama-family shapes (GQA, untied or tied heads, qkv bias, rope_theta) against tr
 generate, loading errors, and the embedded model in bfloat16 and its GGUF tokenizer."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -16,10 +15,10 @@ from ferry.model.kernels import load_kernels
 from tests.arch_models import hf_greedy, hf_logprobs, make_model, write_gguf
 
 KINDS = ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3",
-         "phi3", "qwen3-moe", "smollm3"]
+         "phi3", "qwen3-moe", "smollm3", "gpt-oss"]
 # llama.cpp has no dynamic rope; its Gemma 3 files cannot hold another attention scale than 1/sqrt(head_dim).
 GGUF_KINDS = ["llama-llama3", "llama-linear", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3-gguf", "phi3",
-              "qwen3-moe", "smollm3"]
+              "qwen3-moe", "smollm3", "gpt-oss"]
 PROMPTS = [[(7 * i + 3) % 300 + 2 for i in range(45)], [(11 * i + 5) % 300 + 2 for i in range(29)],
            [(7 * i + 3) % 300 + 2 for i in range(37)]]  # the third shares the first's first 37 tokens
 NEW = 12
@@ -131,6 +130,7 @@ def test_a_quantized_gguf_runs_on_its_blocks(tiny_gguf, tmp_path, monkeypatch):
     if load_kernels() is None:
         pytest.skip("no C kernels here: quantized weights are dequantized")
     from ferry.model.quant import QuantWeight
+    from tests.arch_models import rounded_model
 
     monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
     gguf = write_gguf(model, tmp_path / f"{kind}-q8.gguf", quantize="Q8_0")
@@ -139,15 +139,7 @@ def test_a_quantized_gguf_runs_on_its_blocks(tiny_gguf, tmp_path, monkeypatch):
     assert isinstance(layer.mixer.qkv, QuantWeight)
     assert isinstance(layer.mlp.gate_up[0] if hasattr(layer.mlp, "router") else layer.mlp.gate_up, QuantWeight)
     # The reference: transformers with every matrix rounded to Q8_0 and back by the gguf library.
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for t in rounded.state_dict().values():
-            if t.ndim >= 2:
-                q8 = quantize(t.float().numpy(), GGMLQuantizationType.Q8_0)
-                t.copy_(torch.from_numpy(dequantize(q8, GGMLQuantizationType.Q8_0)).reshape(t.shape))
+    rounded = rounded_model(model, "Q8_0")
     a, b = _prompt_logprobs(kept), _prompt_logprobs(plain)
     diff = max(float((x - hf_logprobs(rounded, p)).abs().max()) for x, p in zip(a, PROMPTS))
     print(f"{kind} Q8_0 gguf (blocks) max |d logprob| vs transformers on the rounded weights {diff:.2e}")

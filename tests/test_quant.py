@@ -10,12 +10,14 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from ferry.model.kernels import load_kernels
-from ferry.model.quant import ACTIVATION_MODES, KERNEL_ROWS, Q8_ISAS, QUANT_TYPES, QuantWeight, RowStack, cat_rows, \
-    check_kernel_types, dequantize, load_gguf_weights, pack_rows16, q8_isa, quant_linear, repack
+from ferry.model.quant import ACTIVATION_MODES, E8M0_TYPES, KERNEL_ROWS, Q8_ISAS, QUANT_TYPES, QuantWeight, RowStack, \
+    cat_rows, check_kernel_types, dequantize, load_gguf_weights, packed, q8_isa, quant_linear, repack
 
 # Where each type's float16 scales sit in its block (the type table's d and min): random bytes
 # elsewhere are valid quants and sub-scales, random bytes here could be NaN.
 F16_FIELDS = {name: t.float16_fields for name, t in QUANT_TYPES.items()}
+# Every scale's bytes: the float16 ones, or an E8M0 byte (MXFP4).
+SCALE_FIELDS = {name: (t.d_at, t.d_at + 1) if name in E8M0_TYPES else F16_FIELDS[name] for name, t in QUANT_TYPES.items()}
 # Shapes (N, K) per type: K whole blocks, N not a multiple of the kernels' register blocks.
 SHAPES = {t: [(1, 32), (5, 96), (37, 576)] if q.block == 32 else [(1, 256), (37, 768)] for t, q in QUANT_TYPES.items()}
 CASES = [(t, n, k) for t in sorted(SHAPES) for n, k in SHAPES[t]]
@@ -34,6 +36,8 @@ def random_gguf_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n, k // t.block, t.nbytes), dtype=np.uint8)
     a, b = F16_FIELDS[qtype]
     blocks[..., a:b] = rng.normal(0, 0.02, size=(n, k // t.block, (b - a) // 2)).astype(np.float16).view(np.uint8)
+    if qtype in E8M0_TYPES:  # powers of two 2^-10 .. 2^-3, as the float16 scales' magnitudes
+        blocks[..., t.d_at] = rng.integers(118, 126, size=(n, k // t.block), dtype=np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -385,14 +389,14 @@ def test_every_q8_variant_this_cpu_runs_equals_the_portable_one(qtype):
     # An odd count of 32-blocks and 37 rows: a ragged last tile of 8 and of 16 lanes.
     n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
     raw = random_gguf_rows(qtype, n, k, seed=5).reshape(n, k // QUANT_TYPES[qtype].block, -1)
-    lo, hi = F16_FIELDS[qtype]
+    lo, hi = SCALE_FIELDS[qtype]
     for row, fill in enumerate((0x00, 0xFF, 0x80, 0x77)):  # every level at an extreme: no int16 may saturate
         scales = raw[row, :, lo:hi].copy()
         raw[row] = fill
         raw[row, :, lo:hi] = scales
     w = repack(raw.reshape(n, -1), qtype, (n, k))
     w.activations = "q8"
-    p = pack_rows16(w)  # the layout a model's q8 weights run in
+    p = packed(w)  # the layout a model's q8 weights run in (packed by 16 rows where the type packs)
     # One row, a decode batch's rows (R = 4 rows a pass and a tail) and a prefill chunk's; rows of
     # +127 and -127 levels against the extreme weights, and one of tiny values.
     xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(2)) for m in (1, 9, 40)]
@@ -415,13 +419,13 @@ def test_a_q8_row_gets_the_same_bits_in_any_batch(qtype):
     n, k = (37, 544) if QUANT_TYPES[qtype].block == 32 else SHAPES[qtype][-1]
     w = repack(random_gguf_rows(qtype, n, k, seed=7), qtype, (n, k))
     w.activations = "q8"
-    p = pack_rows16(w)
+    p = packed(w)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
     whole = quant_linear(x, p)
     for lo, hi in ((0, 1), (0, 2), (0, 5), (3, 12), (57, 58), (20, 53)):
         assert torch.equal(quant_linear(x[lo:hi], p), whole[lo:hi]), (lo, hi)
     rows = torch.tensor([5, 30, 1, 17])
-    some = pack_rows16(QuantWeight(w.data[rows].contiguous(), w.qtype, (4, k), "q8"))
+    some = packed(QuantWeight(w.data[rows].contiguous(), w.qtype, (4, k), "q8"))
     assert torch.equal(quant_linear(x, some), whole[:, rows])
 
 

@@ -125,7 +125,8 @@ def test_a_tool_result_goes_back_and_the_model_answers(client, url):
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "already constrains"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x",
+                                                                                      "format": "wav"}}]}]},
      "messages[0].content", "not supported"),
 ])
 def test_bad_tool_input_is_a_400_naming_the_field(client, body, param, says):
@@ -234,7 +235,7 @@ def test_anthropic_tool_use_with_any_and_a_result_back(ant):
     ({"tools": [{"name": "f", "input_schema": {"type": "objekt"}}]}, "not valid JSON Schema"),
     ({"tools": [WEATHER_ANT], "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
     ({"tool_choice": {"type": "any"}}, "needs tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
 ])
 def test_anthropic_bad_input_is_a_400_in_anthropics_shape(ant, extra, says):
     import anthropic

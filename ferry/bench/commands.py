@@ -110,8 +110,17 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
     if profiler is not None:
         print(f"\nstep profile (all {len(runs)} run(s); each part includes the Python around it):")
         print(profiler.table())
+    floor: dict[str, Any] = {}
+    if not online and len(reqs) == 1 and factory is None:  # one request: a decode step reads every weight once a token
+        from ferry.bench.bandwidth import decode_report
+
+        lines, floor = decode_report(getattr(engine.executor, "model", None), mid.metrics.stat("tpot", "median"),
+                                     profiler.to_dict() if profiler is not None else None)
+        if lines:
+            print("\nmemory floor (one request's decode):\n" + "\n".join(lines))
     write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs],
                                    **({"profile": profiler.to_dict()} if profiler is not None else {}),
+                                   **({"memory_floor": floor} if floor else {}),
                                    "num_kv_blocks": engine.num_kv_blocks, "steps": step_records(runs)})
     if args.plot:
         paths = plot_run(mid, args.plot, args.bench_command)

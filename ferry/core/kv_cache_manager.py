@@ -62,9 +62,11 @@ class KVCacheManager:
 
     def _hashes(self, req: Request) -> list[bytes]:
         """The hash chain of ``req``'s full blocks of known tokens, extended as tokens arrive."""
-        hashes, bs, tokens = req.block_hashes, self.block_size, req.all_token_ids
+        hashes, bs, tokens, images = req.block_hashes, self.block_size, req.all_token_ids, req.images
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else b"", tokens[i * bs:(i + 1) * bs]))
+            # A block that holds part of an image's span is that image's too (its KV depends on the pixels).
+            extra = b"".join(im.hash for im in images if im.overlaps(i * bs, (i + 1) * bs)) if images else b""
+            hashes.append(hash_block(hashes[-1] if hashes else b"", tokens[i * bs:(i + 1) * bs], extra))
         return hashes
 
     def find_cached(self, req: Request) -> list[int]:

@@ -11,6 +11,7 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
+from ferry.core.multimodal import ImageFeature
 from ferry.core.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    images: tuple[ImageFeature, ...] = ()  # the prompt's images (``Request.images``)
 
 
 @dataclass(slots=True)
@@ -81,6 +83,10 @@ class SchedulerOutput:
     # Hybrid models: (snapshot slot, request slot) state copies to make before the step: requests
     # that start from a prefix-cache hit.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Images: (request id, index in its images) to run through the vision encoder before the step,
+    # and the image hashes whose encoder outputs no chunk will read again (dropped first).
+    encoder_inputs: list[tuple[str, int]] = field(default_factory=list)
+    freed_encoder_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def new_req_ids(self) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ferry.core.multimodal import ImageFeature
 from ferry.core.sampling_params import SamplingParams
 
 
@@ -52,6 +53,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # any of them ends the request (unless ignore_eos)
     priority: int = 0
     max_tokens: int = 16  # resolved from sampling_params by the scheduler
+    # The prompt's images, in order of offset (placeholder spans inside prompt_token_ids).
+    images: tuple[ImageFeature, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -27,6 +27,16 @@ from ferry.core.request import Request, RequestStatus
 from ferry.core.stats import SchedulerState, SchedulerStats
 
 
+class _EncoderStep:
+    """One step's vision-encoder budget: image tokens left, and the image hashes it encodes."""
+
+    __slots__ = ("left", "planned")
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self.planned: set[bytes] = set()
+
+
 class Scheduler:
     """Continuous (iteration-level) batching with a token budget."""
 
@@ -52,6 +62,13 @@ class Scheduler:
         self._stats = SchedulerStats()  # what the step in progress did, for take_stats
         self._finished_since_last_step: list[str] = []
         self._in_flight: dict[str, Request] = {}  # the requests of the step being run
+        # Images: the vision encoder's budget per step (image tokens), the requests that will still
+        # read each encoder output the executor holds (by image hash), and the (hash, request)
+        # references that end once the step in flight is over.
+        self.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
+        self.encoder_refs: dict[bytes, set[str]] = {}
+        self._encoder_releases: list[tuple[bytes, str]] = []
+        self._enc = _EncoderStep(self.encoder_budget)
         self._seq = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -85,6 +102,8 @@ class Scheduler:
         req.status = status
         req.times.finished = self.clock()
         self.kv.free(req)
+        if req.images:
+            self._drop_images(req)
         del self.requests[req.request_id]
         self._finished_since_last_step.append(req.request_id)
 
@@ -115,6 +134,7 @@ class Scheduler:
         self.num_steps += 1
         budget = self.budget
         out = SchedulerOutput(finished_req_ids=self._take_finished())
+        self._start_encoder_step()
         scheduled: dict[str, int] = {}
 
         # First priority: keep the running requests moving.
@@ -130,6 +150,11 @@ class Scheduler:
             num = 1 if need == 1 else min(need, budget, chunk_cap)
             if states is not None:
                 num = self.kv.cut(req, req.num_computed_tokens, num)
+            todo: list[int] = []
+            if req.images and req.num_computed_tokens < req.num_prompt_tokens:
+                num, todo = self._plan_images(req, req.num_computed_tokens, num)
+                if num <= 0:
+                    continue  # its next image waits for the encoder budget of a later step
             if spec is not None:
                 req.spec_token_ids = self._draft(req, budget) if num == need == 1 else []
                 num += len(req.spec_token_ids)
@@ -144,6 +169,8 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is running:
+                if req.images:
+                    self._commit_images(req, req.num_computed_tokens, num, todo, out)
                 scheduled[req.request_id] = num
                 budget -= num
 
@@ -155,6 +182,8 @@ class Scheduler:
 
         self._in_flight = {}
         self._advance(self.running, scheduled, out)
+        if self.encoder_refs:
+            self._free_encoder_outputs(out)
         if states is not None:
             self._place_states(out)
         out.num_kv_blocks_used = self.kv.pool.num_used
@@ -228,9 +257,16 @@ class Scheduler:
                         skipped.append(self.waiting.pop())
                         continue
                 num = self.kv.cut(req, num_cached, min(need, budget, self.chunk_cap))
+                todo: list[int] = []
+                if req.images:
+                    num, todo = self._plan_images(req, num_cached, num)
+                    if num <= 0:
+                        break  # its first image waits for the encoder budget of a later step
                 room = not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)
                 if room and self._try_allocate(req, num, need, budget, cached):
                     self._admit(req, num_cached, out)
+                    if req.images:
+                        self._commit_images(req, num_cached, num, todo, out)
                     scheduled[req.request_id] = num
                     budget -= num
                     prefills += is_prefill
@@ -316,8 +352,9 @@ class Scheduler:
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request: as many as the budget, max_tokens and max_model_len
-        leave room for. None for requests whose next-token rule depends on the tokens before it
-        in ways the verify step does not replay (penalties, grammars)."""
+        leave room for (a draft model's are placeholders its executor fills). None for requests whose
+        next-token rule depends on the tokens before it in ways the verify step does not replay
+        (penalties, grammars)."""
         spec, sp = self.spec, req.sampling_params
         assert spec is not None
         # A recurrent state cannot be rewound past a rejected draft: hybrid models verify none.
@@ -329,10 +366,69 @@ class Scheduler:
                 self.max_model_len - req.num_tokens - 1)
         if k <= 0:
             return []
+        if spec.method == "draft_model":
+            # Slots only: the executor's draft model writes the k tokens in before the verify runs.
+            return [0] * k
         return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _new_request(self, req: Request) -> NewRequest:
-        return NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids)
+        return NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.images)
+
+    # ------------------------------------------------------------------ images
+    def _start_encoder_step(self) -> None:
+        """A fresh encoder budget; the references of requests the last step carried past their images end."""
+        self._enc = _EncoderStep(self.encoder_budget)
+        for h, rid in self._encoder_releases:
+            refs = self.encoder_refs.get(h)
+            if refs is not None:
+                refs.discard(rid)
+        self._encoder_releases = []
+
+    def _plan_images(self, req: Request, start: int, num: int) -> tuple[int, list[int]]:
+        """``num`` cut before the first image the chunk [start, start + num) touches whose encoding
+        does not fit the step's encoder budget left (0: not even the chunk's first token), and the
+        indexes of the images it touches that need encoding. The step's first image runs whatever its size."""
+        enc, end, todo, left = self._enc, start + num, [], self._enc.left
+        planned = set(enc.planned)
+        for i, im in enumerate(req.images):
+            if im.offset >= end:
+                break
+            if im.end <= start or im.hash in self.encoder_refs or im.hash in planned:
+                continue  # not touched, or its encoder output is held (or on its way)
+            if im.length > left and (enc.planned or todo):
+                return max(0, im.offset - start), todo
+            todo.append(i)
+            planned.add(im.hash)
+            left -= im.length
+        return num, todo
+
+    def _commit_images(self, req: Request, start: int, num: int, todo: list[int], out: SchedulerOutput) -> None:
+        """A scheduled chunk's images: encode those planned, and hold every touched image's output
+        until the chunk that passes its end has run."""
+        enc, rid, end = self._enc, req.request_id, start + num
+        for i in todo:
+            im = req.images[i]
+            out.encoder_inputs.append((rid, i))
+            enc.planned.add(im.hash)
+            enc.left -= im.length
+        for im in req.images:
+            if im.overlaps(start, end):
+                self.encoder_refs.setdefault(im.hash, set()).add(rid)
+                if end >= im.end:
+                    self._encoder_releases.append((im.hash, rid))
+
+    def _drop_images(self, req: Request) -> None:
+        """A request that leaves (finished or preempted) reads none of its images' outputs any more."""
+        for im in req.images:
+            refs = self.encoder_refs.get(im.hash)
+            if refs is not None:
+                refs.discard(req.request_id)
+
+    def _free_encoder_outputs(self, out: SchedulerOutput) -> None:
+        """Encoder outputs no request will read again: the executor drops them before this step."""
+        for h in [h for h, refs in self.encoder_refs.items() if not refs]:
+            del self.encoder_refs[h]
+            out.freed_encoder_hashes.append(h)
 
     def _victim_key(self, req: Request) -> tuple:
         # The last-arrived goes first; under "priority", the least urgent first.
@@ -344,6 +440,9 @@ class Scheduler:
         """Recompute-style preemption: free blocks, forget progress, back to the queue head."""
         out.preempted_req_ids.append(req.request_id)
         self.running.remove(req)
+        if req.images:
+            self._drop_images(req)
+            out.encoder_inputs = [e for e in out.encoder_inputs if e[0] != req.request_id]
         self.kv.free(req)
         req.num_recomputed_tokens += req.num_computed_tokens  # work that will be done again
         req.num_computed_tokens = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from ferry.core.admission import Admitted
+from ferry.core.multimodal import ImageFeature
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.live_state import LiveState
 from ferry.engine.llm_engine import LLMEngine
@@ -55,6 +56,7 @@ class SubRequest:
     params: SamplingParams
     priority: int = 0
     token_ids: list[int] | None = None  # the prompt's, when the caller tokenized it already
+    images: tuple[ImageFeature, ...] = ()  # the prompt's images (spans of its placeholder tokens)
 
 
 class Stream:
@@ -142,6 +144,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def image_prompter(self) -> Any:
+        """The engine's image prompter (``LLMEngine.image_prompter``); None: the model takes no images."""
+        return self.engine.image_prompter
 
     @property
     def max_model_len(self) -> int:
@@ -273,7 +280,8 @@ class AsyncEngine:
             try:
                 for rid, sub, ok in zip(ids, subs, admitted):
                     engine.add_admitted(ok, request_id=rid, priority=sub.priority,
-                                        prompt_text=sub.prompt if isinstance(sub.prompt, str) else None)
+                                        prompt_text=sub.prompt if isinstance(sub.prompt, str) else None,
+                                        images=sub.images)
                     added.append(rid)
             except Exception:
                 for rid in added:

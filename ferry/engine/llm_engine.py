@@ -11,6 +11,7 @@ from ferry.config import EngineConfig
 from ferry.core.admission import Admission, Admitted
 from ferry.core.clock import WallClock
 from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.multimodal import ImageFeature
 from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
@@ -55,6 +56,9 @@ class LLMEngine:
         self.config.check_model_len()
         self.executor = executor
         self.tokenizer = tokenizer
+        # Turns a chat's rendered text and images into a prompt (``ferry.multimodal.processor``);
+        # None: the model takes no images. Set by ``from_config`` for a model that does.
+        self.image_prompter: Any = None
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock or WallClock()
         # A model whose every layer has a sliding window lets the cache give back what it passed.
@@ -100,17 +104,21 @@ class LLMEngine:
         if executor.device is not None:
             config = replace(config, device=executor.device.type, dtype=executor.dtype_name)
         assert executor.num_kv_blocks is not None, "an executor the engine is sized from sets num_kv_blocks"
-        return cls(config, executor, executor.num_kv_blocks, tokenizer=executor.tokenizer,
-                   eos_token_ids=executor.eos_token_ids)
+        engine = cls(config, executor, executor.num_kv_blocks, tokenizer=executor.tokenizer,
+                     eos_token_ids=executor.eos_token_ids)
+        engine.image_prompter = executor.image_prompter
+        return engine
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0, prompt_text: str | None = None) -> Request:
+                    priority: int = 0, prompt_text: str | None = None,
+                    images: tuple[ImageFeature, ...] = ()) -> Request:
         """Queue one request; returns its token-level state (the scheduler's). Raises ValueError
         (naming the problem) if it can never be served.
 
-        ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier.
+        ``prompt`` is text or token ids; ``prompt_text`` names the text of ids tokenized earlier;
+        ``images``: the prompt's images, spans of its placeholder tokens (``image_prompter.encode``).
         (A server tokenizes and admits outside the engine's lock, with ``tokenize`` and
         ``admit``, then queues under it with ``add_admitted``.)
         """
@@ -119,7 +127,7 @@ class LLMEngine:
             prompt_text, token_ids = prompt, self.tokenize(prompt)
         else:
             token_ids = prompt
-        return self.add_admitted(self.admit(token_ids, sp), request_id, arrival_time, priority, prompt_text)
+        return self.add_admitted(self.admit(token_ids, sp), request_id, arrival_time, priority, prompt_text, images)
 
     def admit(self, token_ids: Sequence[int], sp: SamplingParams) -> Admitted:
         """Every check a request must pass (``ferry.core.admission``), run once per request: raises
@@ -128,13 +136,14 @@ class LLMEngine:
         return self.admission.check(token_ids, sp)
 
     def add_admitted(self, admitted: Admitted, request_id: str | None = None, arrival_time: float | None = None,
-                     priority: int = 0, prompt_text: str | None = None) -> Request:
+                     priority: int = 0, prompt_text: str | None = None,
+                     images: tuple[ImageFeature, ...] = ()) -> Request:
         """Queue a request ``admit`` passed (it is not checked again); returns its token-level state."""
         req = Request(
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
             prompt_token_ids=admitted.token_ids, sampling_params=admitted.sampling_params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_ids=self.eos_token_ids, priority=priority)
+            eos_token_ids=self.eos_token_ids, priority=priority, images=tuple(images))
         self.scheduler.add_request(req)
         if admitted.grammar is not None:
             self.executor.hold_grammar(req.request_id, admitted.grammar)

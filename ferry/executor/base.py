@@ -55,6 +55,8 @@ class Executor(ABC):
     # Structured outputs: the compiler whose grammars ``check_sampling_params`` returns (a server
     # awaits their compiles off the engine's lock), or None.
     grammars: GrammarCompiler | None = None
+    # An image model's prompter (expands image placeholders, runs its image processor); None: text only.
+    image_prompter: Any = None
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -94,6 +96,7 @@ class WrappedExecutor(Executor):
         self.tokenizer, self.eos_token_ids, self.vocab_size = inner.tokenizer, inner.eos_token_ids, inner.vocab_size
         self.model_config, self.device, self.dtype_name = inner.model_config, inner.device, inner.dtype_name
         self.grammars = inner.grammars
+        self.image_prompter = inner.image_prompter
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.inner.execute(out)

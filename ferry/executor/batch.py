@@ -11,6 +11,7 @@ arrays, with one small Python loop over requests (never over tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ class PackedBatch:
     # (requests resuming from a snapshot) and after it (snapshots kept for the prefix cache).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    images: Any = None  # image models: the step's ImageRows (``ferry.executor.images``), set after packing
 
     def to(self, device: torch.device) -> "PackedBatch":
         """The batch on ``device``: packed on the host, sent once per step (nothing on the CPU)."""

@@ -13,6 +13,8 @@ from ferry.core.outputs import ModelRunnerOutput, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
 from ferry.executor.base import Executor, StepTimer, no_tick
 from ferry.executor.batch import PackedBatch, pack
+from ferry.executor.draft import DraftModel
+from ferry.executor.images import ImageSteps
 from ferry.executor.request_state import RequestStates
 from ferry.executor.pooling import pool
 from ferry.executor.sampler import Sampler, prompt_logprobs
@@ -21,6 +23,7 @@ from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, release_freed_memory, resolve_device
 from ferry.model.kv_format import cache_dtype, row_width
 from ferry.model.decoder import DecoderModel, ForwardOutput
+from ferry.model.multimodal import ImageEncoder
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
 from ferry.model.quant import QuantWeight
@@ -46,6 +49,15 @@ def state_slots(config: EngineConfig, state_bytes: int) -> int:
         return config.num_state_slots
     fit = int(config.kv_cache_memory_gb * 2**30 / 2 // state_bytes)
     return max(1, min(2 * config.max_num_seqs, fit))
+
+
+def kv_groups(cfg: ModelConfig) -> dict[tuple[int, int], list[int]]:
+    """The attention layers that keep K/V of their own, by their cache's (KV heads, head size): one
+    group but where layers differ (Gemma 4's global layers); one empty group where none keeps K/V."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in cfg.kv_cache_layers:
+        groups.setdefault(cfg.kv_heads(i), []).append(i)
+    return groups or {(cfg.num_kv_heads, cfg.head_dim): []}
 
 
 def copy_states(caches: list[dict[str, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
@@ -125,6 +137,9 @@ class ModelExecutor(Executor):
         weights = load_weights(config, cfg, setup.model_dir)
         q8 = any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
         self.model = DecoderModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
+        # An image model's vision tower, its encoder cache and rope positions (None: a text model).
+        encoder = ImageEncoder.load(setup.model_dir, cfg.architecture, dtype, self.device)
+        self.images = ImageSteps(encoder) if encoder is not None else None
         del weights
         release_freed_memory()
         self.model_config = cfg
@@ -132,14 +147,24 @@ class ModelExecutor(Executor):
         self.vocab_size = cfg.vocab_size
         self.tokenizer = setup.tokenizer
         self.eos_token_ids = setup.eos_token_ids
+        if encoder is not None and self.tokenizer is not None:
+            from ferry.multimodal.processor import ImagePrompter  # transformers' image processors
+
+            self.image_prompter = ImagePrompter.for_model(setup.model_dir, self.tokenizer)
         self.block_size = config.block_size
         kv_dtype = cache_dtype(config.kv_cache_dtype, dtype, q8)
-        width = row_width(cfg.head_dim, kv_dtype)  # a head's values in the cache's last dimension
         elem = torch.tensor([], dtype=kv_dtype).element_size()
         # Every rank has the same number of blocks (one scheduler, one block table), sized for the
-        # rank holding the most KV heads. Only attention layers keep K/V.
-        kv_layers = cfg.attention_layers
-        bytes_per_block = max(1, 2 * len(kv_layers) * config.block_size * plan.max_kv_heads * width * elem)
+        # rank holding the most KV heads. Only attention layers keep K/V, by their cache's shape.
+        groups = kv_groups(cfg)
+        bytes_per_block = max(1, sum(2 * len(layers) * config.block_size * (plan.max_kv_heads if world > 1 else heads)
+                                     * row_width(hd, kv_dtype) * elem for (heads, hd), layers in groups.items()))
+        # A draft model's KV layers live in the same blocks: each block costs both models' bytes.
+        self.draft = DraftModel(config, cfg, self.tokenizer, self.max_model_len, self.device, config.seed) \
+            if config.draft_model is not None else None
+        self.draft_dists: dict[str, torch.Tensor] = {}
+        if self.draft is not None:
+            bytes_per_block += self.draft.bytes_per_block(config.block_size)
         state_bytes = 4 * cfg.state_floats  # one request's recurrent state, every recurrent layer's
         self.num_state_slots = state_slots(config, state_bytes) if state_bytes else 0
         budget = config.kv_cache_memory_gb * 2**30 - self.num_state_slots * state_bytes
@@ -167,15 +192,23 @@ class ModelExecutor(Executor):
         # blocks in use ever take memory.
         zeros = lazy_zeros if self.device.type == "cpu" else \
             (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device))
-        cache = zeros((max(1, len(kv_layers)), 2, slots, plan.num_kv_heads, width), kv_dtype)
         # Per layer: (K, V) of an attention layer, the state tensors of a recurrent one.
         self.kv_caches: list[Any] = [None] * cfg.num_layers
-        for j, i in enumerate(kv_layers):
-            self.kv_caches[i] = (cache[j, 0], cache[j, 1])
+        for (heads, hd), layers in groups.items():
+            # The last dimension holds a head's values (row_width: in the cache's format).
+            cache = zeros((max(1, len(layers)), 2, slots, plan.num_kv_heads if world > 1 else heads,
+                           row_width(hd, kv_dtype)), kv_dtype)
+            for j, i in enumerate(layers):
+                self.kv_caches[i] = (cache[j, 0], cache[j, 1])
+        for i in cfg.attention_layers:  # a layer sharing another's K/V (Gemma 4) holds that layer's cache
+            if cfg.layers[i].attention.kv_source is not None:
+                self.kv_caches[i] = self.kv_caches[cfg.layers[i].attention.kv_source]
         for i in cfg.recurrent_layers:
             self.kv_caches[i] = {name: zeros((self.num_state_slots, *shape), torch.float32)
                                  for name, shape in cfg.state_shapes(i).items()}
         self.state_caches = [self.kv_caches[i] for i in cfg.recurrent_layers]
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks, zeros)
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                         max_compile_seconds=config.max_grammar_compile_seconds)
@@ -210,14 +243,24 @@ class ModelExecutor(Executor):
         torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
         self.states.apply(out)
-        batch = pack(out.chunks, self.states, self.block_size, out.state_copies).to(self.device)
+        if self.draft is not None:  # fills the verify chunks' drafts before they are packed
+            self.draft_dists = self.draft.propose(out, self.states)
+            self.tick("draft")
+        batch = pack(out.chunks, self.states, self.block_size, out.state_copies)
+        images = None
+        if self.images is not None:  # encoder outputs, and the image rows and positions of the batch
+            self.images.apply(out, self.states)
+            images = self.images.to(self.images.rows(out, batch, self.states), self.device)
+            self.tick("encoder")
+        batch = batch.to(self.device)
+        batch.images = images
         self.tick("pack")
         return batch
 
     def forward(self, batch: PackedBatch) -> ForwardOutput:
         copy_states(self.state_caches, batch.state_copies)  # requests resuming from a prefix-cache snapshot
         out = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                 batch.logits_indices, batch.prompt_indices, batch.pool_indices)
+                                 batch.logits_indices, batch.prompt_indices, batch.pool_indices, batch.images)
         copy_states(self.state_caches, batch.snapshots)  # states kept for the prefix cache
         return out
 
@@ -225,7 +268,7 @@ class ModelExecutor(Executor):
         """Sample (and score prompt tokens, pool embeddings) from the forward pass; record the new tokens."""
         result = ModelRunnerOutput()
         if batch.sampling:
-            result.sampled, result.logprobs = self.sampler.sample(out.logits, batch.sampling)
+            result.sampled, result.logprobs = self.sampler.sample(out.logits, batch.sampling, self.draft_dists)
         if batch.prompt_spans:
             project = None if out.prompt_projected else self.model.project
             result.prompt_logprobs = prompt_logprobs(out.prompt_rows, batch.prompt_spans, project)

@@ -25,6 +25,7 @@ class CachedRequest:
     # A mean-pooled embedding's running sum of hidden states, and the prompt positions it holds.
     pool_sum: Any = None
     pool_upto: int = 0
+    images: tuple[Any, ...] = ()  # the prompt's ImageFeatures
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -60,7 +61,8 @@ class RequestStates:
                 self.requests[rid].block_ids = []
             for new in out.new_requests:
                 self.requests[new.request_id] = CachedRequest(
-                    new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids)
+                    new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_ids,
+                    images=new.images)
             self._applied_step = out.step_id
             self._applied_chunks = set()
         for c in out.chunks:

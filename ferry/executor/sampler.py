@@ -132,11 +132,15 @@ class Sampler:
         # A 64-bit mix of (seed, token index): distinct streams for each token of each seed.
         return self._seeded.manual_seed((seed * 0x9E3779B97F4A7C15 + index) % 2**64)
 
-    def sample(self, logits: torch.Tensor, sampling: list[tuple[CachedRequest, ScheduledChunk]]
+    def sample(self, logits: torch.Tensor, sampling: list[tuple[CachedRequest, ScheduledChunk]],
+               draft_dists: dict[str, torch.Tensor] | None = None
                ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
         """logits: [N, V] float32, ``chunk.num_sampling_rows`` rows per request in order.
+        ``draft_dists``: per request whose drafts a draft model sampled, the distributions
+        ``[k, V]`` they were drawn from; those requests are verified by ``rejection_sample``.
         Returns each request's new tokens (accepted drafts, then one more) and their logprobs."""
         raw = logits
+        draft_dists = draft_dists or {}
         reqs: list[CachedRequest] = []  # per row
         index: list[int] = []  # per row: the output token index it draws
         for r, c in sampling:
@@ -167,7 +171,7 @@ class Sampler:
         tokens = greedy_tokens(logits)
         for i, (r, k) in enumerate(zip(reqs, index)):
             sp = r.sampling_params
-            if sp.greedy:
+            if sp.greedy or r.request_id in draft_dists:
                 continue
             probs = torch.softmax(logits[i] / sp.temperature, dim=-1)
             probs = _filter(probs, sp.top_k, sp.top_p, sp.min_p)
@@ -180,7 +184,15 @@ class Sampler:
         logprobs: dict[str, list[dict[int, float]]] = {}
         row = 0
         for r, c in sampling:
-            accepted = verify(c.spec_token_ids, tokens[row:row + c.num_sampling_rows])
+            q = draft_dists.get(r.request_id)
+            if q is not None and c.spec_token_ids:
+                sp = r.sampling_params
+                p = torch.stack([_filter(torch.softmax(logits[row + j] / sp.temperature, dim=-1),
+                                         sp.top_k, sp.top_p, sp.min_p) for j in range(c.num_sampling_rows)])
+                accepted = rejection_sample(p / p.sum(-1, keepdim=True), q.to(p.device), c.spec_token_ids,
+                                            self._generator(r, r.num_output_tokens))
+            else:
+                accepted = verify(c.spec_token_ids, tokens[row:row + c.num_sampling_rows])
             new[r.request_id] = accepted
             n = r.sampling_params.logprobs
             if n is not None:
@@ -195,6 +207,29 @@ class Sampler:
                 logprobs[r.request_id] = entries
             row += c.num_sampling_rows
         return new, logprobs
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
+                     ) -> list[int]:
+    """Verify drafts drawn from distributions ``q`` ([k, V]) against the target's ``p`` ([k + 1, V],
+    rows normalised): draft j is accepted with probability min(1, p_j(d) / q_j(d)); the first
+    rejected one is replaced by a draw from the normalised max(0, p_j - q_j), and when all are
+    accepted one more token is drawn from p_k. Each output token is then distributed as the
+    target's (Leviathan et al., 2023), whatever q is."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u * float(q[j, d]) < float(p[j, d]):
+            out.append(d)
+            continue
+        residual = (p[j] - q[j]).clamp_min(0.0)
+        total = float(residual.sum())
+        # p == q leaves no residual; then nothing was ever rejected in exact arithmetic: draw from p.
+        residual = residual / total if total > 0 else p[j]
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    return out
 
 
 def verify(drafts: list[int], sampled: list[int]) -> list[int]:

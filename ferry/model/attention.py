@@ -200,10 +200,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``window``: the layer's sliding window (None: full causal attention). ``sinks``: [Hq] sink
     logits in every softmax denominator (None: none; module docstring). A cache of another
     dtype than q (``--kv-cache-dtype``) holds K/V rounded to it, and every query reads them so,
-    its own chunk's too: results do not depend on how a prompt is chunked (``kv_format``)."""
-    k, v = to_cache(k, k_cache), to_cache(v, v_cache)
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    its own chunk's too: results do not depend on how a prompt is chunked (``kv_format``). ``k`` and
+    ``v`` None: a layer sharing another's K/V (Gemma 4) writes none and reads that layer's from the
+    caches, the step's own rows included."""
+    if k is not None:
+        k, v = to_cache(k, k_cache), to_cache(v, v_cache)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
@@ -217,10 +220,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)
         start, mask = _prefill_keys_and_mask(p, window, q.device)
-        if p.ctx_len == 0:
+        if p.ctx_len == 0 and k is not None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = k_cache[p.ctx_slots[start:]], v_cache[p.ctx_slots[start:]]
+            slots = p.ctx_slots if p.ctx_len else meta.slot_mapping[rows]
+            kp, vp = k_cache[slots[start:]], v_cache[slots[start:]]
         kp, vp = from_cache(kp, q.dtype), from_cache(vp, q.dtype)  # no copy when the cache is q's dtype
         if sinks is not None:  # SDPA has no sinks: an explicit softmax, causal mask made where SDPA's served
             seen = mask if mask is not None else torch.ones(p.q_len, p.q_len, dtype=torch.bool, device=q.device).tril()

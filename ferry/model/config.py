@@ -11,7 +11,7 @@ from ferry.model.arch import ARCHITECTURES, Architecture, find
 from ferry.model.arch.parts import AttentionSpec, ExpertsSpec, LayerSpec, MLPSpec, hidden_act, llama_layers
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "freq_factors")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "freq_factors", "proportional")
 
 
 @dataclass
@@ -38,6 +38,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     residual_scale: float = 1.0  # each block's output is scaled so before its residual add (Granite)
     logits_divisor: float = 1.0  # logits are divided by this (Granite's logits_scaling)
+    per_layer_input: int = 0  # each layer's share of the per-layer input embeddings (Gemma 4; 0: none)
+    per_layer_vocab: int = 0  # the per-layer embedding's rows (0: vocab_size)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -58,6 +60,15 @@ class ModelConfig:
     def attention_layers(self) -> list[int]:
         """The layers that keep K/V in the paged cache."""
         return [i for i, layer in enumerate(self.layers) if layer.attention is not None]
+
+    @property
+    def kv_cache_layers(self) -> list[int]:
+        """The attention layers that keep K/V of their own (one with a ``kv_source`` reads that layer's)."""
+        return [i for i in self.attention_layers if self.layers[i].attention.kv_source is None]
+
+    def kv_heads(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of attention layer ``layer``'s cache."""
+        return self.layers[layer].attention.cache_heads(self)
 
     @property
     def recurrent_layers(self) -> list[int]:

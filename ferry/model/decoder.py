@@ -10,7 +10,7 @@ when every part has its ops there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,9 +21,11 @@ from ferry.model.fused_decode import FUSED_DECODE_ROWS, FusedDecode, NotFused, O
 from ferry.model.kernels import kernels_usable
 from ferry.model.layers import PARTS
 from ferry.model.layers.context import StepContext
+from ferry.model.layers.gemma4 import PerLayerInput, PerLayerInputs
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.layers.norm import rms_norm
 from ferry.model.layers.rope import rope_tables
+from ferry.model.multimodal import ImageRows
 from ferry.model.quant import QuantWeight, dequantize, packed
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.weights import WeightTaker
@@ -49,13 +51,13 @@ def _no_tick(part: str) -> None:
 class Residual:
     """x += out_norm(part(norm(x))), the part's output all-reduced first under tensor parallelism."""
 
-    norm: torch.Tensor
+    norm: torch.Tensor | None  # None: the part reads x itself (Gemma 4's per-layer input block)
     part: Any
     out_norm: torch.Tensor | None = None
     scale: float = 1.0  # the output's scale before the add (Granite's residual multiplier)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: Any) -> torch.Tensor:
-        h = rms_norm(x, self.norm, ctx.eps, ctx.use_kernel)
+        h = x if self.norm is None else rms_norm(x, self.norm, ctx.eps, ctx.use_kernel)
         ctx.tick("norm")
         o = self.part.forward(h, ctx, cache)
         o = o if ctx.comm is None else ctx.comm.all_reduce(o)
@@ -73,6 +75,19 @@ class Residual:
 @dataclass
 class DecoderLayer:
     blocks: list[Residual]  # the mixer's, then the MLP's
+    extra: list[Residual] = field(default_factory=list)  # after them (Gemma 4's per-layer input block)
+    scalar: torch.Tensor | None = None  # the layer's output times this (Gemma 4's layer_scalar)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: Any) -> torch.Tensor:
+        for block in self.blocks + self.extra:
+            x = block.forward(x, ctx, cache)
+        return x if self.scalar is None else x * self.scalar
+
+    def segments(self, ctx: StepContext, cache: Any) -> list[Segment]:
+        """Its blocks' ops for the fused decode."""
+        if self.scalar is not None:
+            raise NotFused("the fused C decode has no scaling of the residual stream (Gemma 4's layer_scalar)")
+        return [block.segment(ctx, cache) for block in self.blocks + self.extra]
 
     @property
     def mixer(self) -> Any:
@@ -132,7 +147,11 @@ class DecoderModel:
         self.num_heads, self.num_kv_heads = self.plan.num_heads, self.plan.num_kv_heads
         facts = PartFacts((self.num_heads, self.num_kv_heads, cfg.head_dim),
                           lambda spec: distinct.index((*spec.rope, spec.rotary_dim or cfg.head_dim)))
-        self.layers = [self._layer(take.layer(i), facts) for i in range(cfg.num_layers)]
+        self.layers = [self._layer(take.layer(i), facts, i) for i in range(cfg.num_layers)]
+        self.per_layer = None  # Gemma 4's per-layer input embeddings
+        if cfg.per_layer_input:
+            self.per_layer = PerLayerInputs(take.model_tensor("ple_embed"), packed(take.model_tensor("ple_model_proj")),
+                                            take.model_tensor("ple_model_norm"), cfg.num_layers, cfg.per_layer_input)
         self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
         # The kernels take any K (quantized weights come in whole blocks) and any head size; a
         # tensor-parallel rank runs each residual block's ops in C with its all-reduces between them.
@@ -140,7 +159,7 @@ class DecoderModel:
         if self.use_kernel and self._compile_ops(None) is not None:
             self.fused = FusedDecode(self._compile_ops, cfg.hidden_size, facts.heads, cfg.rms_norm_eps, self.comm)
 
-    def _layer(self, w: dict[str, Any], facts: PartFacts) -> DecoderLayer:
+    def _layer(self, w: dict[str, Any], facts: PartFacts, index: int) -> DecoderLayer:
         spec, blocks, scale = w["spec"], [], self.cfg.residual_scale
         if spec.mixer is not None:
             blocks.append(Residual(w["input_norm"], PARTS[spec.mixer.kind](spec.mixer, w, facts), w.get("attn_out_norm"),
@@ -148,7 +167,8 @@ class DecoderModel:
         if spec.mlp is not None:
             blocks.append(Residual(w["mlp_norm"], PARTS[spec.mlp.kind](spec.mlp, w, facts), w.get("mlp_out_norm"),
                                    scale))
-        return DecoderLayer(blocks)
+        extra = [Residual(None, PerLayerInput.build(spec, w, index), w["ple_norm"])] if spec.per_layer_input else []
+        return DecoderLayer(blocks, extra, w.get("layer_scalar"))
 
     def _context(self, positions: torch.Tensor, meta: AttentionMetadata | None, tick: Callable[[str], None]
                  ) -> StepContext:
@@ -160,33 +180,44 @@ class DecoderModel:
         ctx = self._context(torch.empty(0, dtype=torch.int64), None, _no_tick)
         caches = kv_caches or [(torch.empty(0), torch.empty(0))] * len(self.layers)
         try:
-            return [block.segment(ctx, cache) for layer, cache in zip(self.layers, caches) for block in layer.blocks]
+            return [seg for layer, cache in zip(self.layers, caches) for seg in layer.segments(ctx, cache)]
         except NotFused:
             return None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                prompt_indices: torch.Tensor | None = None, pool_indices: torch.Tensor | None = None
-                ) -> ForwardOutput:
+                prompt_indices: torch.Tensor | None = None, pool_indices: torch.Tensor | None = None,
+                images: ImageRows | None = None) -> ForwardOutput:
         """Packed tokens in; out, float32 logits for the rows in ``logits_indices`` and the final
-        normed hidden states of the rows in ``prompt_indices`` and ``pool_indices``."""
+        normed hidden states of the rows in ``prompt_indices`` and ``pool_indices``. ``images``: the
+        step's image rows (their embeddings, deepstack features and per-axis rope positions)."""
         T = input_ids.shape[0]
         prof = self.profiler
         tick = _no_tick if prof is None else prof.tick
         x = self._embed(input_ids)
+        if images is not None:
+            x[images.rows] = images.embeds.to(x.dtype)
         tick("embed")
-        if self.fused is not None and self.use_kernel and meta.num_decodes == T <= FUSED_DECODE_ROWS:
+        if self.fused is not None and self.use_kernel and meta.num_decodes == T <= FUSED_DECODE_ROWS \
+                and images is None:
             self.fused.run(x, positions, meta, kv_caches, prof)
             return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
         ctx = self._context(positions, meta, tick)
+        if images is not None:  # multimodal rope: each row's own table row, at its row index
+            ctx.ropes = images.row_tables(self.ropes)
+            ctx.positions = positions = torch.arange(T, device=positions.device)
         # Where the kernels run (float32 on the CPU) norm, rope and the activation are C row
         # operations (ferry.model.row_ops); torch's stay the reference.
         if not self.use_kernel:
-            ctx.rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.ropes]
-        for layer, cache in zip(self.layers, kv_caches):
-            for block in layer.blocks:
-                x = block.forward(x, ctx, cache)
+            ctx.rotations = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in ctx.ropes]
+        if self.per_layer is not None:
+            ctx.per_layer = self.per_layer(input_ids, x, self.cfg.rms_norm_eps, self.use_kernel)
+        deepstack = images.deepstack if images is not None else ()
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer.forward(x, ctx, cache)
+            if i < len(deepstack):  # Qwen3-VL: vision features join the first layers' image rows
+                x[images.rows] += deepstack[i].to(x.dtype)
         return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

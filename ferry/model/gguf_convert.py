@@ -71,7 +71,8 @@ CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # none: "blk.{i}.ssm_a") -> the suffix of the mixer's own parameter in the checkpoint (Mamba2, Gated
 # DeltaNet), whose module the architecture names for the part; attention sinks likewise ("self_attn.sinks").
 SSM_PARAMS = {("ssm_a", ""): "A_log", ("ssm_d", ""): "D", ("ssm_dt", "bias"): "dt_bias",
-              ("attn_sinks", "weight"): "sinks", ("exp_probs_b", "bias"): "e_score_correction_bias"}
+              ("attn_sinks", "weight"): "sinks", ("exp_probs_b", "bias"): "e_score_correction_bias",
+              ("layer_output_scale", "weight"): "layer_scalar"}
 
 
 def hf_name(name: str, spec) -> str:
@@ -92,7 +93,8 @@ def hf_name(name: str, spec) -> str:
     layer_names = spec.gguf_layer_names()
     if part not in layer_names:
         raise ValueError(f"unknown GGUF tensor {name!r}")
-    return f"{spec.layer_prefix}.{layer}.{layer_names[part]}.{SSM_PARAMS.get((part, kind), kind)}"
+    module = f"{layer_names[part]}." if layer_names[part] else ""  # "": the layer's own (Gemma 4's layer_scalar)
+    return f"{spec.layer_prefix}.{layer}.{module}{SSM_PARAMS.get((part, kind), kind)}"
 
 
 def hf_tensors(reader, keep: tuple[str, ...] = ()):
@@ -220,11 +222,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # a GGUF without a tokenizer serves token ids only
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        except ValueError:  # an architecture transformers reads no GGUF config of (smollm3): its vocabulary still converts
+        # An architecture transformers reads no GGUF config of (smollm3), or not this one's (Gemma 4's
+        # feed-forward widths per layer): its vocabulary still converts.
+        except (ValueError, StrictDataclassError):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         pre = reader.fields.get("tokenizer.ggml.pre")
         _set_pre_tokenizer(tokenizer, pre.contents() if pre is not None else None)

@@ -44,7 +44,10 @@ class QuantType:
 
     @property
     def float16_fields(self) -> tuple[int, int]:
-        """The byte range of the block's float16 scales: d, and an offset type's min after it."""
+        """The byte range of the block's float16 scales: d, and an offset type's min after it (empty
+        for an E8M0 scale)."""
+        if self.name in E8M0_TYPES:
+            return self.d_at, self.d_at
         return self.d_at, self.d_at + 2 + 2 * self.offset
 
 
@@ -57,7 +60,10 @@ QUANT_TYPES = {t.name: t for t in (
     QuantType("Q3_K", 11, 256, 110, 16, False, 4, 108), QuantType("Q4_K", 12, 256, 144, 32, True, 0, 0),
     QuantType("Q5_K", 13, 256, 176, 32, True, 0, 0), QuantType("Q6_K", 14, 256, 210, 16, False, 32, 208),
     QuantType("IQ4_NL", 20, 32, 18, 32, False, 0, 0), QuantType("IQ4_XS", 23, 256, 136, 32, False, 0, 0),
+    QuantType("MXFP4", 39, 32, 17, 32, False, 0, 0),
 )}
+# Types whose block scale is one E8M0 byte at d_at (a power of two), not a float16.
+E8M0_TYPES = ("MXFP4",)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ACTIVATION_MODES = ("exact", "q8")
 Q8_FLAG = 256  # kernels/quant_types.h's FERRY_QT_Q8

@@ -44,6 +44,14 @@ class ShardPlan:
         if world > 1 and cfg.recurrent_layers:
             raise ValueError(f"tensor_parallel_size {world}: {cfg.architecture}'s recurrent layers are not split "
                              "over ranks; use tensor_parallel_size 1")
+        if world > 1 and any(getattr(x.mixer, "o_bias", False) or getattr(x.mlp, "bias", False) for x in cfg.layers):
+            raise ValueError(f"tensor_parallel_size {world}: {cfg.architecture}'s output and experts' biases are not "
+                             "split over ranks; use tensor_parallel_size 1")
+        if world > 1 and (cfg.per_layer_input or any(cfg.kv_heads(i) != (hkv, cfg.head_dim) or
+                                                     cfg.layers[i].attention.kv_source is not None
+                                                     for i in cfg.attention_layers)):
+            raise ValueError(f"tensor_parallel_size {world}: {cfg.architecture}'s layers of their own head sizes, "
+                             "shared K/V or per-layer inputs are not split over ranks; use tensor_parallel_size 1")
         group = hq // hkv
         if hkv >= world:
             kv = split(hkv, world, rank)

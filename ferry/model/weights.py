@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ferry.model.arch.parts import LayerSpec, TensorDecl, model_tensors
+from ferry.model.arch.parts import LayerSpec, TensorDecl, model_tensors, per_layer_tensors
 from ferry.model.config import ModelConfig
 from ferry.model.quant import QuantWeight, RowStack, cat_rows, dequantize
 from ferry.model.shard_plan import ShardPlan
@@ -29,7 +29,7 @@ def declared(cfg: ModelConfig) -> Iterator[tuple[str, TensorDecl]]:
     """(Hugging Face name, declaration) of every tensor the model holds (one per expert)."""
     names = cfg.arch.name_table()
     tied = cfg.tie_word_embeddings
-    for d in model_tensors(cfg.hidden_size, cfg.vocab_size, tied):
+    for d in model_tensors(cfg.hidden_size, cfg.vocab_size, tied) + per_layer_tensors(cfg):
         yield f"{names[d.role][0]}.{d.suffix}", d
     for i in range(cfg.num_layers):
         decls = layer_tensors(cfg, i)
@@ -48,7 +48,8 @@ def declared(cfg: ModelConfig) -> Iterator[tuple[str, TensorDecl]]:
 def _name(names: dict[str, tuple[str, str]], layer: int, d: TensorDecl, expert: int | None = None,
           prefix: str = "model.layers") -> str:
     hf = names[d.role][0]
-    return f"{prefix}.{layer}.{hf.format(e=expert) if expert is not None else hf}.{d.suffix}"
+    hf = hf.format(e=expert) if expert is not None else hf
+    return f"{prefix}.{layer}.{hf}.{d.suffix}" if hf else f"{prefix}.{layer}.{d.suffix}"  # "": the layer's own
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -65,7 +66,10 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def unfuse(weights: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """Split the checkpoint tensors an architecture stores fused (Phi-3's qkv_proj, gate_up_proj)
-    into its roles' tensors, by rows: the decoder fuses them again after any tensor-parallel cut."""
+    into its roles' tensors, by rows: the decoder fuses them again after any tensor-parallel cut
+    (and first the architecture's own renaming of its checkpoint, ``checkpoint_tensors``)."""
+    if cfg.arch.checkpoint_tensors is not None:
+        weights = cfg.arch.checkpoint_tensors(weights)
     fused = cfg.arch.checkpoint_fused
     if not fused:
         return weights
@@ -124,7 +128,8 @@ class WeightTaker:
         return w + offset if d.norm and offset else w  # Gemma's (1 + w) folded into the weight once
 
     def model_tensor(self, role: str) -> Weight:
-        d = next(d for d in model_tensors(self.cfg.hidden_size, self.cfg.vocab_size, False) if d.role == role)
+        decls = model_tensors(self.cfg.hidden_size, self.cfg.vocab_size, False) + per_layer_tensors(self.cfg)
+        d = next(d for d in decls if d.role == role)
         return self.take(f"{self.names[role][0]}.{d.suffix}", d)
 
     def layer(self, i: int) -> dict[str, Any]:

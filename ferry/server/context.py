@@ -13,6 +13,9 @@ log = logging.getLogger(__name__)
 
 from ferry.core.sampling_params import SamplingParams
 from ferry.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, Stream, SubRequest
+from ferry.core.multimodal import ImageFeature
+from ferry.multimodal.images import ImageError, ImageLimits
+from ferry.multimodal.parts import ImageRef, load_images
 from ferry.server.errors import APIError, bad_value
 from ferry.server.openai.response_store import ResponseStore
 from ferry.server.templates import MEMORY_BYTES, RenderPool, RenderFailed
@@ -30,6 +33,7 @@ class ChatLimits:
     max_template_chars: int = 4 * 2**20  # --max-chat-template-chars: one render's output
     max_tools: int = 128  # --max-tools (OpenAI's own bound)
     max_tools_bytes: int = 2**20  # --max-tools-bytes: the tools' JSON, all together
+    images: ImageLimits = field(default_factory=ImageLimits)  # what a request's images may be
 
     def __post_init__(self) -> None:
         for name, flag in (("max_template_seconds", "max-chat-template-seconds"),
@@ -80,6 +84,26 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def image_prompter(self) -> Any:
+        """What turns a chat's text and images into a prompt; None: the model takes no images."""
+        return getattr(self.engine, "image_prompter", None)
+
+    async def load_images(self, refs: list[ImageRef]) -> list[Any]:
+        """The request's images, decoded (in a thread: a fetch or a decode takes a while), then
+        a 400 naming the field of the first image if the model takes none. Each image is checked
+        whatever the model, so that a client learns what is wrong with it first."""
+        if not refs:
+            return []
+        try:
+            images = await asyncio.to_thread(load_images, refs, self.limits.images)
+        except ImageError as e:
+            raise APIError(400, e.message, param=e.field) from None
+        if self.image_prompter is None:
+            raise APIError(400, f"{refs[0].field}: model {self.model_name!r} does not accept images (it is "
+                           f"text-only)", param=refs[0].field)
+        return images
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(400, f"model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -116,9 +140,22 @@ class ServerContext:
         runs in a worker process (``templates.py``), bounded in time, memory and output, and is
         cancelled when the client (``raw``) disconnects; a 400 naming ``param`` (or the template's
         field) when the template refuses the conversation or goes past a bound."""
+        ids, _ = await self.render_prompt(conv, tools, add_generation_prompt, template_kwargs, param, template, raw)
+        return ids
+
+    async def render_prompt(self, conv: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            add_generation_prompt: bool, template_kwargs: dict[str, Any],
+                            param: str = "messages", template: RequestTemplate | None = None,
+                            raw: Request | None = None, images: list[Any] | None = None
+                            ) -> tuple[list[int], tuple[ImageFeature, ...]]:
+        """``render_chat``'s token ids, and with ``images`` (decoded, in the order of the
+        conversation's ``{"type": "image"}`` parts) the image prompter's: each image's
+        placeholder grown to its tokens, and the images' features."""
         tok = self.need_tokenizer()
         if not hasattr(tok, "chat_template_context"):  # a stand-in tokenizer: its own render, in a thread
-            return await self._render_in_thread(tok, conv, tools, add_generation_prompt, template_kwargs, param)
+            if images:
+                raise APIError(400, "this model's tokenizer renders no images", param=param)
+            return await self._render_in_thread(tok, conv, tools, add_generation_prompt, template_kwargs, param), ()
         wanted = (tools, template.source if template else None)
         try:  # loading transformers' tokenizer takes seconds, once
             source, special = (tok.chat_template_context(*wanted) if tok.chat_template_loaded
@@ -141,11 +178,18 @@ class ServerContext:
             raise self._render_error(RenderFailed(head["error"], head.get("message", "")), where, param,
                                      template is not None)
         try:  # a long prompt's tokenizing must not hold up the event loop
+            if images:  # processing the images takes a while too
+                return await asyncio.to_thread(self._image_tokens, text, images, param)
             if len(text) < INLINE_CHARS:
-                return self._tokens(tok, text, param)
-            return await asyncio.to_thread(self._tokens, tok, text, param)
+                return self._tokens(tok, text, param), ()
+            return await asyncio.to_thread(self._tokens, tok, text, param), ()
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
+
+    def _image_tokens(self, text: bytes, images: list[Any], param: str) -> tuple[list[int], tuple[ImageFeature, ...]]:
+        rendered = text.decode()
+        self.engine.check_text_length(len(rendered), f"{param} rendered through the chat template have")
+        return self.image_prompter.encode(rendered, images)
 
     def _tokens(self, tok: Any, text: bytes, param: str) -> list[int]:
         rendered = text.decode()
@@ -215,10 +259,13 @@ class ServerContext:
             raise bad_value(e) from None
 
     @staticmethod
-    def sub_requests(prompts: list[str | list[int]], sp: SamplingParams, n: int, priority: int) -> list[SubRequest]:
+    def sub_requests(prompts: list[str | list[int]], sp: SamplingParams, n: int, priority: int,
+                     images: tuple[ImageFeature, ...] = ()) -> list[SubRequest]:
+        """``n`` sub-requests per prompt; ``images``: the (one) prompt's images."""
         if not 1 <= n <= 128:
             raise APIError(400, f"n must be an integer in [1, 128], got {n}", param="n")
-        return [SubRequest(p, sp if n == 1 else sp.nth(k), priority) for p in prompts for k in range(n)]
+        return [SubRequest(p, sp if n == 1 else sp.nth(k), priority, images=images)
+                for p in prompts for k in range(n)]
 
     async def submit(self, subs: list[SubRequest], tag_fallback: bool = False) -> Stream:
         """Queue the sub-requests (errors as the API's). ``tag_fallback``: their structural tag is

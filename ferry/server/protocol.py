@@ -239,6 +239,9 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template
     chat_template: StrictStr | None = None  # vLLM's: this request's own template (--trust-request-chat-template)
     include_reasoning: StrictBool = True  # vLLM's: False drops the reasoning from the reply
+    # OpenAI's: how much the model reasons ("low", "medium", "high"), passed to the chat template
+    # (gpt-oss's writes it into its system message).
+    reasoning_effort: StrictStr | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

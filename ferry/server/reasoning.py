@@ -19,7 +19,9 @@ class ReasoningParser:
 
 
 REASONING_PARSERS = {p.name: p for p in (
-    ReasoningParser("qwen3"), ReasoningParser("think"), ReasoningParser("deepseek_r1", starts_inside=True))}
+    ReasoningParser("qwen3"), ReasoningParser("think"), ReasoningParser("deepseek_r1", starts_inside=True),
+    # gpt-oss: the chat routes read harmony's channels with ferry.server.harmony, not these markers.
+    ReasoningParser("harmony", "<|channel|>analysis<|message|>", "<|end|>"))}
 
 
 def prompt_opens(parser: ReasoningParser, prompt: str) -> bool:

@@ -18,6 +18,7 @@ from ferry.config import EngineConfig
 
 if TYPE_CHECKING:
     from ferry.engine.async_engine import AsyncEngine
+    from ferry.multimodal.images import ImageLimits
     from ferry.server.context import ChatLimits
     from ferry.server.model_pool import PoolSettings
     from ferry.server.replicas import ReplicaSet
@@ -73,6 +74,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tools-bytes", type=int, default=limits.max_tools_bytes,
                    help="a request whose tools' JSON is larger, all together, is refused with 400 "
                         f"(default: {limits.max_tools_bytes:,})")
+    add_image_args(p)
     add_model_pool_args(p)
     from ferry.server.router import add_router_args
 
@@ -80,6 +82,66 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="with --data-parallel-size > 1: the Ray cluster to join ('auto', or host:port); "
                         "default: start a local one")
+
+
+def add_image_args(p: argparse.ArgumentParser) -> None:
+    """What a request's images may be (a model that takes images; a text-only one refuses them with 400)."""
+    from ferry.multimodal.images import ImageLimits
+
+    d = ImageLimits()
+    g = p.add_argument_group("images (every bad image is refused with 400 naming its field)")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar='\'{"image": N}\'',
+                   help=f"at most N images in one request, as JSON (vLLM's form) or image=N (default: {d.max_images})")
+    g.add_argument("--max-image-pixels", type=int, default=d.max_pixels,
+                   help="an image of more pixels (width x height, read from its header before it is decoded) "
+                        f"is refused (default: {d.max_pixels:,})")
+    g.add_argument("--enable-image-urls", action="store_true",
+                   help="fetch images given as http(s) URLs (default: off, only data: URLs and base64 are taken); "
+                        "see --allowed-media-domains")
+    g.add_argument("--allowed-media-domains", default=None, metavar="HOST[,HOST...]",
+                   help="with --enable-image-urls: fetch only from these hosts, exactly as named; redirects "
+                        "too (default: any host)")
+    g.add_argument("--image-url-max-bytes", type=int, default=d.url_max_bytes,
+                   help=f"a fetched image larger than this is refused (default: {d.url_max_bytes:,})")
+    g.add_argument("--image-url-timeout", type=float, default=d.url_timeout,
+                   help="a fetch that takes longer, all of it, is refused (seconds; "
+                        f"default: {d.url_timeout:g})")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="take file:// image URLs of files under DIR (a risk: requests read the server's "
+                        "files; default: none)")
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The image settings on the command line (ValueError naming a bad one)."""
+    from ferry.multimodal.images import ImageLimits
+
+    max_images = ImageLimits().max_images
+    if args.limit_mm_per_prompt is not None:
+        max_images = images_per_prompt(args.limit_mm_per_prompt)
+    domains = tuple(d.strip().lower() for d in (args.allowed_media_domains or "").replace(" ", ",").split(",")
+                    if d.strip())
+    if args.allowed_local_media_path is not None and not Path(args.allowed_local_media_path).is_dir():
+        raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
+    try:
+        return ImageLimits(args.max_image_pixels, max_images, args.enable_image_urls, args.image_url_max_bytes,
+                           args.image_url_timeout, domains, args.allowed_local_media_path)
+    except ValueError as e:  # ImageLimits names its field: say the flag
+        flag = {"max_pixels": "--max-image-pixels", "max_images": "--limit-mm-per-prompt",
+                "url_max_bytes": "--image-url-max-bytes", "url_timeout": "--image-url-timeout"}
+        name = str(e).split(" ", 1)[0]
+        raise ValueError(f"{flag.get(name, name)}{str(e)[len(name):]}") from None
+
+
+def images_per_prompt(value: str) -> int:
+    """The image count of --limit-mm-per-prompt: '{"image": N}' or image=N."""
+    import json
+
+    try:
+        spec = json.loads(value) if value.strip().startswith("{") else dict([value.split("=", 1)])
+        count = int(spec["image"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--limit-mm-per-prompt must be '{{\"image\": N}}' or image=N, got {value!r}") from None
+    return count
 
 
 def add_model_pool_args(p: argparse.ArgumentParser) -> None:
@@ -230,7 +292,7 @@ def chat_limits(args: argparse.Namespace) -> ChatLimits:
     from ferry.server.context import ChatLimits
 
     return ChatLimits(args.trust_request_chat_template, args.max_chat_template_seconds,
-                      args.max_chat_template_chars, args.max_tools, args.max_tools_bytes)
+                      args.max_chat_template_chars, args.max_tools, args.max_tools_bytes, image_limits(args))
 
 
 class DrainingServer(uvicorn.Server):

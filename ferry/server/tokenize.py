@@ -53,9 +53,9 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
     if body.messages is not None:
         from ferry.server.openai.chat import chat_prompt
 
-        _, ids = await chat_prompt(ctx, body.messages, body.tools, None, None, body.chat_template_kwargs,
-                                   body.add_generation_prompt, body.continue_final_message,
-                                   chat_template=body.chat_template, raw=raw)
+        _, ids, _ = await chat_prompt(ctx, body.messages, body.tools, None, None, body.chat_template_kwargs,
+                                      body.add_generation_prompt, body.continue_final_message,
+                                      chat_template=body.chat_template, raw=raw)
     else:
         try:
             ctx.engine.check_text_length(len(body.prompt or ""), "prompt has")

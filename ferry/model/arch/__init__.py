@@ -52,6 +52,9 @@ class Architecture:
     # fields, and the checkpoint's tensors under these prefixes are not read (its vision tower).
     text_config: bool = False
     skip_prefixes: tuple[str, ...] = ()
+    # A safetensors checkpoint's tensors as the declarations name them, where it stores them otherwise
+    # (gpt-oss: each layer's experts stacked, transposed, gate and up columns interleaved).
+    checkpoint_tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def name_table(self) -> dict[str, tuple[str, str]]:
         """Every role's (Hugging Face, GGUF) names for this architecture."""
@@ -67,10 +70,14 @@ class Architecture:
 def _registry() -> dict[str, Architecture]:
     from ferry.model.arch import (gemma3, granite4, lfm2, llama, mistral, nemotron_h, phi3, qwen2, qwen3, qwen3_5,
                                   qwen3_moe, smollm3)
+    from ferry.model.arch import qwen3_vl
+    from ferry.model.arch import gpt_oss
+    from ferry.model.arch import gemma4
 
     archs = [llama.ARCH, mistral.ARCH, qwen2.ARCH, qwen3.ARCH, qwen3_moe.ARCH, gemma3.ARCH, phi3.ARCH,
              smollm3.ARCH, lfm2.ARCH, qwen3_5.ARCH, qwen3_5.MOE_ARCH, qwen3_5.VL_ARCH, qwen3_5.VL_MOE_ARCH,
-             granite4.ARCH, nemotron_h.ARCH]
+             granite4.ARCH, nemotron_h.ARCH, qwen3_vl.ARCH, gpt_oss.ARCH]
+    archs += [gemma4.ARCH, gemma4.MM_ARCH]
     return {a.hf_name: a for a in archs}
 
 

@@ -36,9 +36,17 @@ NAMES: dict[str, tuple[str, str]] = {
     "shared_router": ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
     # gpt-oss's per-head sink logits: a parameter of the module itself ("self_attn.sinks", by suffix).
     "sinks": ("self_attn", "attn_sinks"),
+    # Gemma 4's per-layer input block and layer scalar (a buffer of the layer itself: "layer_scalar", by suffix).
+    "ple_gate": ("per_layer_input_gate", "inp_gate"), "ple_proj": ("per_layer_projection", "proj"),
+    "ple_norm": ("post_per_layer_input_norm", "post_norm"), "layer_scalar": ("", "layer_output_scale"),
+    # Gemma 4's per-layer input embeddings: the model's own.
+    "ple_embed": ("model.embed_tokens_per_layer", "per_layer_token_embd"),
+    "ple_model_proj": ("model.per_layer_model_projection", "per_layer_model_proj"),
+    "ple_model_norm": ("model.per_layer_projection_norm", "per_layer_proj_norm"),
 }
 
-MODEL_ROLES = ("embed", "final_norm", "lm_head")  # the model's own tensors (the others are per layer)
+# The model's own tensors (the others are per layer).
+MODEL_ROLES = ("embed", "final_norm", "lm_head", "ple_embed", "ple_model_proj", "ple_model_norm")
 
 # How tensor parallelism cuts a tensor: by output rows or input columns, over the ShardPlan's span
 # of query heads, KV heads, MLP columns, experts' MLP columns or vocabulary ("" : every rank holds it);
@@ -79,8 +87,14 @@ class AttentionSpec:
     # A learned logit per query head that joins each query's softmax denominator and holds no value
     # (gpt-oss's attention sinks): softmax over [scores, sink], the sink's share dropped.
     sinks: bool = False
+    o_bias: bool = False  # a bias on the o product (gpt-oss)
 
     kind = "attention"
+    kv_source = None  # the layer whose K/V it reads, keeping none of its own (Gemma4AttentionSpec's option)
+
+    def cache_heads(self, c: "ModelConfig") -> tuple[int, int]:
+        """(KV heads, head size) of the K/V it keeps in the paged cache."""
+        return c.num_kv_heads, c.head_dim
 
     def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -94,6 +108,8 @@ class AttentionSpec:
             out += [TensorDecl("q_norm", (c.head_dim,), norm=True), TensorDecl("k_norm", (c.head_dim,), norm=True)]
         if self.sinks:
             out.append(TensorDecl("sinks", (c.num_heads,), "rows:heads", suffix="sinks"))
+        if self.o_bias:  # after the o product's cut columns: every rank would add it (refused by ShardPlan)
+            out.append(TensorDecl("o", (c.hidden_size,), fuse="o_bias", suffix="bias"))
         return out
 
 
@@ -103,11 +119,12 @@ class MLPSpec:
 
     act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     out_norm: bool = False
+    intermediate: int | None = None  # its width (None: the model's intermediate_size; Gemma 4's double-wide layers)
 
     kind = "mlp"
 
     def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
-        i = c.intermediate_size
+        i = self.intermediate or c.intermediate_size
         return [TensorDecl("gate", (i, c.hidden_size), "rows:mlp", "gate_up"),
                 TensorDecl("up", (i, c.hidden_size), "rows:mlp", "gate_up"), TensorDecl("down", (c.hidden_size, i), "cols:mlp")]
 
@@ -125,6 +142,11 @@ class ExpertsSpec:
     # A shared expert of this width every token runs, scaled by sigmoid(its one-row gate) (Qwen2-MoE,
     # Qwen3.5-MoE); 0: none. Not cut by tensor parallelism (every rank would add it: hybrids are refused there).
     shared_intermediate: int = 0
+    # Biases on the router's logits and on each expert's gate, up and down products (gpt-oss).
+    bias: bool = False
+    # act "swiglu_clamp" (gpt-oss): (alpha, limit) of (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    # g = clamp(gate, max=limit).
+    swiglu: tuple[float, float] = (1.702, 7.0)
 
     kind = "experts"
 
@@ -134,6 +156,11 @@ class ExpertsSpec:
                TensorDecl("expert_gate", (i, h), "rows:experts", "gate_up", experts=e),
                TensorDecl("expert_up", (i, h), "rows:experts", "gate_up", experts=e),
                TensorDecl("expert_down", (h, i), "cols:experts", experts=e)]
+        if self.bias:  # each its own product key ("<...>_bias"), so none takes its weight's
+            out += [TensorDecl("router", (e,), fuse="router_bias", suffix="bias", dense=True),
+                    TensorDecl("expert_gate", (i,), "rows:experts", "gate_up_bias", suffix="bias", experts=e),
+                    TensorDecl("expert_up", (i,), "rows:experts", "gate_up_bias", suffix="bias", experts=e),
+                    TensorDecl("expert_down", (h,), fuse="down_bias", suffix="bias", experts=e)]
         if self.shared_intermediate:
             s = self.shared_intermediate
             out += [TensorDecl("shared_gate", (s, h), fuse="shared_gate_up"),
@@ -148,10 +175,14 @@ class LayerSpec:
 
     The mixer is attention over the paged KV cache, or a recurrent part (a spec with
     ``state_shapes``: its per-request state lives in the state slots beside the KV blocks). Either
-    block may be absent (Nemotron-H's layers are one block each)."""
+    block may be absent (Nemotron-H's layers are one block each). Gemma 4 adds a third block,
+    x += norm(proj(act(gate(x)) * the layer's per-layer input)) (``per_layer_input``: its width),
+    and multiplies the layer's output by a learned scalar (``scalar``)."""
 
     mixer: Any
     mlp: Any = None
+    per_layer_input: int = 0
+    scalar: bool = False
 
     def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
         norms = []
@@ -162,7 +193,14 @@ class LayerSpec:
             norms += [TensorDecl("mlp_norm", (c.hidden_size,), norm=True)]
             norms += [TensorDecl("mlp_out_norm", (c.hidden_size,), norm=True)] if self.mlp.out_norm else []
         parts = [p for p in (self.mixer, self.mlp) if p is not None]
-        return norms + [t for p in parts for t in p.tensors(c)]
+        out = norms + [t for p in parts for t in p.tensors(c)]
+        if self.per_layer_input:
+            p, h = self.per_layer_input, c.hidden_size
+            out += [TensorDecl("ple_gate", (p, h)), TensorDecl("ple_proj", (h, p)),
+                    TensorDecl("ple_norm", (h,), norm=True)]
+        if self.scalar:  # a scale like a norm's: 1 in random weights
+            out.append(TensorDecl("layer_scalar", (1,), norm=True, suffix="layer_scalar"))
+        return out
 
     @property
     def attention(self) -> AttentionSpec | None:
@@ -179,6 +217,17 @@ def model_tensors(hidden: int, vocab: int, tied: bool) -> list[TensorDecl]:
     """The model's own tensors: the embedding, the final norm, the LM head unless tied."""
     out = [TensorDecl("embed", (vocab, hidden), "rows:vocab"), TensorDecl("final_norm", (hidden,), norm=True)]
     return out + ([] if tied else [TensorDecl("lm_head", (vocab, hidden), "rows:vocab")])
+
+
+def per_layer_tensors(c: "ModelConfig") -> list[TensorDecl]:
+    """Gemma 4's per-layer input embeddings (none where ``c.per_layer_input`` is 0): a second
+    embedding of every layer's input side by side, the projection of the embedding to the same, and
+    the norm of each layer's share of it."""
+    p, n = c.per_layer_input, c.num_layers
+    if not p:
+        return []
+    return [TensorDecl("ple_embed", (c.per_layer_vocab or c.vocab_size, n * p)),
+            TensorDecl("ple_model_proj", (n * p, c.hidden_size)), TensorDecl("ple_model_norm", (p,), norm=True)]
 
 
 def hidden_act(d: dict[str, Any], where: str = "config.json") -> str:
@@ -400,3 +449,32 @@ class SigmoidExpertsSpec(ExpertsSpec):
         if self.latent:
             out += [TensorDecl("latent_in", (x, h)), TensorDecl("latent_out", (h, x))]
         return out
+
+
+@dataclass(frozen=True)
+class Gemma4AttentionSpec(AttentionSpec):
+    """Gemma 4's attention: q/k norms, a scale-less RMS norm of each head of v, its own head size and
+    KV heads (the global layers'), and, in the last layers, no K/V of its own: it reads those that
+    layer ``kv_source`` (an earlier layer of the same kind) wrote in the cache this step. Its rope
+    table is ``rotary_dim`` (its head size) wide: the partial rotation is in the table ("proportional").
+    With ``k_eq_v`` v is k's projection (no v_proj)."""
+
+    head_dim: int | None = None  # None: the model's
+    kv_heads: int | None = None  # None: the model's
+    kv_source: int | None = None
+    k_eq_v: bool = False
+
+    kind = "gemma4_attention"
+
+    def cache_heads(self, c: "ModelConfig") -> tuple[int, int]:
+        return self.kv_heads or c.num_kv_heads, self.head_dim or c.head_dim
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        hkv, hd = self.cache_heads(c)
+        q, kv, h = c.num_heads * hd, hkv * hd, c.hidden_size
+        out = [TensorDecl("q", (q, h), "rows:q", "qkv")]
+        if self.kv_source is None:
+            out.append(TensorDecl("k", (kv, h), "rows:kv", "qkv"))
+            out += [] if self.k_eq_v else [TensorDecl("v", (kv, h), "rows:kv", "qkv")]
+        out += [TensorDecl("o", (h, q), "cols:q"), TensorDecl("q_norm", (hd,), norm=True)]
+        return out + ([TensorDecl("k_norm", (hd,), norm=True)] if self.kv_source is None else [])

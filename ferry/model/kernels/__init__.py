@@ -114,6 +114,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "quant_dequant": (None, [ptr, ptr, ptr, i64, i64, i64]),
     "quant_q8_isa": (i64, [i64]),
     "int8_peak": (f64, [i64, i64]),
+    "read_bandwidth": (f64, [i64, i64]),
     "q8_packed_index": (i64, [i64, ptr]),
     "quant_type_traits": (i64, [i64, ctypes.POINTER(QtTraits)]),
     "rms_norm_rows": (None, [ptr, i64, ptr, ptr, i64, i64, f32]),

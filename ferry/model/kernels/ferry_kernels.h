@@ -56,6 +56,8 @@ void quant_dequant(const uint8_t *w, const int64_t *ids, float *out, int64_t n, 
 int64_t quant_q8_isa(int64_t isa);
 /* The int8 multiply-add peak of variant isa, per second over all threads (int8_peak.c). */
 double int8_peak(int64_t isa, int64_t iters);
+/* Bytes per second the OpenMP team reads from a buffer of `bytes`, best of reps (int8_peak.c). */
+double read_bandwidth(int64_t bytes, int64_t reps);
 /* Where each byte of a 16-row group's blocks sits in its packed record; -1: type not packed
  * (quant_q8_packed.c). */
 int64_t q8_packed_index(int64_t type, int64_t *idx);
@@ -114,6 +116,7 @@ int64_t ferry_abi_struct(int64_t i, const char **name, int64_t *size);
     X(void, quant_dequant, (const uint8_t *, const int64_t *, float *, int64_t, int64_t, int64_t))          \
     X(int64_t, quant_q8_isa, (int64_t))                                                                     \
     X(double, int8_peak, (int64_t, int64_t))                                                                \
+    X(double, read_bandwidth, (int64_t, int64_t))                                                           \
     X(int64_t, q8_packed_index, (int64_t, int64_t *))                                                       \
     X(int64_t, quant_type_traits, (int64_t, ferry_qt_traits_t *))                                           \
     X(void, rms_norm_rows, (const float *, int64_t, const float *, float *, int64_t, int64_t, float))       \

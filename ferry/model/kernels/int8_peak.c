@@ -5,10 +5,15 @@
  * AVX-512BW: vpmaddubsw on 32 (the kernels' madd and add after it are not counted). Twelve
  * independent accumulators on each thread, written as inline assembly so the compiler cannot fold
  * the repeated products into one (it knows vpdpbusd's arithmetic).
+ *
+ * And the memory read bandwidth a decode step is bound by (read_bandwidth), measured the same way:
+ * by the thread team the products run on.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "ferry_kernels.h"
@@ -65,4 +70,58 @@ double int8_peak(int64_t isa, int64_t iters) {
         sink += s;
     }
     return (double)nth * iters * 12 * bytes / (now() - t);
+}
+
+/* A 32-byte vector (gcc's vector extension: one AVX2 load where the target has it). */
+typedef uint8_t v32u8 __attribute__((vector_size(32), aligned(32)));
+
+/* Reads bytes (a multiple of 128) from p in order, four vectors a step; returns their or, so the
+ * loads cannot be dropped. */
+static uint8_t read_span(const uint8_t *p, int64_t bytes) {
+    v32u8 a = {0}, b = {0}, c = {0}, d = {0};
+    for (int64_t off = 0; off < bytes; off += 128) {
+        const v32u8 *v = (const v32u8 *)(p + off);
+        a |= v[0], b |= v[1], c |= v[2], d |= v[3];
+    }
+    a |= b | c | d;
+    uint8_t out = 0;
+    for (int i = 0; i < 32; i++) out |= a[i];
+    return out;
+}
+
+/* Bytes per second the OpenMP team reads from memory, the way a decode step streams its weights:
+ * one buffer of `bytes` (far larger than the caches), each thread a contiguous share of it, read in
+ * order with 32-byte loads, in the same kind of pages as the weights (anonymous, huge pages advised).
+ * The buffer is written first, so every page is backed (untouched pages would all read the one zero
+ * page); the best of `reps` passes, after one that wakes the threads. 0 when out of memory. */
+double read_bandwidth(int64_t bytes, int64_t reps) {
+    bytes -= bytes % 4096;
+    if (bytes <= 0) return 0.0;
+    uint8_t *buf = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) return 0.0;
+    madvise(buf, (size_t)bytes, MADV_HUGEPAGE);
+    double best = 0.0, t0 = 0.0;
+    volatile uint8_t sink = 0;
+    #pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t a = bytes / 128 * t / nt * 128, b = bytes / 128 * (t + 1) / nt * 128;
+        memset(buf + a, (int)(t + 1), (size_t)(b - a)); /* each thread backs the pages it reads */
+        for (int64_t r = 0; r <= reps; r++) {
+            #pragma omp barrier
+            #pragma omp master
+            t0 = now();
+            #pragma omp barrier
+            const uint8_t got = read_span(buf + a, b - a);
+            #pragma omp barrier
+            #pragma omp master
+            {
+                const double s = now() - t0;
+                if (r > 0 && (double)bytes / s > best) best = (double)bytes / s;
+                sink |= got;
+            }
+        }
+    }
+    munmap(buf, (size_t)bytes);
+    return best;
 }

@@ -309,6 +309,16 @@ static void iq4_xs(const uint8_t *restrict b, float *restrict y) {
 
 #endif
 
+/* MXFP4: an E8M0 scale byte, then 16 bytes of E2M1 codes (low nibbles the first 16 weights). */
+static void mxfp4(const uint8_t *restrict b, float *restrict y) {
+    const float d = qt_e8m0_half(b[0]);
+    const uint8_t *qs = b + 1;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)KVALUES_MXFP4[qs[i] & 15];
+        y[i + 16] = d * (float)KVALUES_MXFP4[qs[i] >> 4];
+    }
+}
+
 /* Row of K weights, block by block: fn per block, the block's size and bytes from the type's traits. */
 #define ROW(fn, type) \
     for (int64_t k = 0; k < K; k += qt_block(type), row += qt_bytes(type)) fn(row, out + k); \
@@ -327,6 +337,7 @@ void quant_dequant_row(const uint8_t *row, float *out, int64_t K, int64_t type) 
         case QT_Q6_K: ROW(q6_k, QT_Q6_K)
         case QT_IQ4_NL: ROW(iq4_nl, QT_IQ4_NL)
         case QT_IQ4_XS: ROW(iq4_xs, QT_IQ4_XS)
+        case QT_MXFP4: ROW(mxfp4, QT_MXFP4)
         default: memset(out, 0, sizeof(float) * K);  /* unreachable: quant.py checks types at load */
     }
 }

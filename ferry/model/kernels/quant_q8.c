@@ -192,6 +192,16 @@ static void unpack_block(const uint8_t *bl, int64_t type, int8_t *q, float *a, f
             }
             return;
         }
+        case QT_MXFP4: { /* IQ4_NL's layout with E2M1 levels (doubled) and a power-of-two scale */
+            const uint8_t *qs = bl + 1;
+            for (int i = 0; i < 16; i++) {
+                q[i] = KVALUES_MXFP4[qs[i] & 15];
+                q[i + 16] = KVALUES_MXFP4[qs[i] >> 4];
+            }
+            a[0] = a[1] = qt_e8m0_half(bl[0]);
+            b[0] = b[1] = 0.f;
+            return;
+        }
         default: memset(q, 0, (size_t)qt_block(type)); /* unreachable: quant.py checks types at load */
     }
 }

@@ -567,6 +567,318 @@ PACKED_PASS(packed_avx2, packed8_avx2_of, "avx2,fma,f16c", ROWS_1_TO_4)
 PACKED_PASS(packed_avxvnni, packed8_avxvnni_of, "avx2,fma,f16c,avxvnni", ROWS_1_TO_4)
 PACKED_PASS(packed_avx512vnni, packed16_of, ISA_512, ROWS_2_TO_4)
 
+/* Q6_K with one activation row on AVX2 (a decode step of one request: the LM head of most K-quant
+ * files, and many files' qkv and down products, are Q6_K): packed8_avx2_of's products for MR = 1,
+ * op for op (the same bits), written out. gcc kept that pass's chunk loop rolled for Q6_K, its
+ * shifts by a register and its sums on the stack, so the product ran at 11-13 GB/s where the DRAM
+ * read rate is 25-28 (Zen 3, 2 threads, the 248320 x 1024 LM head). */
+#define ISA_256 "avx2,fma,f16c"
+/* Level vector L of 32-chunk s of a 128-weight half (ql: its line of nibbles, s < 2 the low ones;
+ * qh: its line of high bit pairs, bits 2s..2s+1 for chunk s), the pair moved to bits 4-5. */
+__attribute__((target(ISA_256), always_inline)) static inline __m256i q6k_level(__m256i ql, __m256i qh, const int s) {
+    const __m256i lo = s < 2 ? ql : _mm256_srli_epi16(ql, 4);
+    const __m256i hi = s == 0 ? _mm256_slli_epi16(qh, 4) : s == 1 ? _mm256_slli_epi16(qh, 2)
+                     : s == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(15)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+/* Chunk c of record rec, lanes 8h..8h+7, into acc: each 16-group's exact sum (maddubs in pairs,
+ * flush_of's 2), less 32 x the activations' sum, then scaled as packed8_avx2_of scales it. */
+__attribute__((target(ISA_256), always_inline)) static inline __m256 q6k_chunk(const uint8_t *rec, const int h, const int c,
+                                                                                 const int8_t *xq, const float *dx,
+                                                                                 const int32_t *bs, __m256 D, __m256 acc) {
+    const uint8_t *ql = rec + 32 * h + 64 * (16 * (c / 4) + 8 * (c % 2)), *qh = rec + 32 * h + 64 * (32 + 8 * (c / 4));
+    __m256i S[2];
+    #pragma GCC unroll 2
+    for (int g = 0; g < 2; g++)
+        #pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            __m256i s16 = _mm256_setzero_si256();
+            #pragma GCC unroll 2
+            for (int L = 4 * g + 2 * p; L < 4 * g + 2 * p + 2; L++) {
+                const __m256i v = q6k_level(_mm256_loadu_si256((const __m256i *)(ql + 64 * L)),
+                                            _mm256_loadu_si256((const __m256i *)(qh + 64 * L)), c % 4);
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + 4 * L))));
+            }
+            const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+            S[g] = p ? _mm256_add_epi32(S[g], s32) : s32;
+        }
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(rec + u_at(QT_Q6_K) + 64 * (c / 2) + 32 * h));
+    const __m256 dxv = _mm256_set1_ps(*dx);
+    #pragma GCC unroll 2
+    for (int g = 0; g < 2; g++) {
+        const __m256i si = _mm256_sub_epi32(S[g], _mm256_set1_epi32(32 * bs[g]));
+        const int b = 2 * (c % 2) + g; /* the group's int8 scale: byte b of the lane's dword */
+        const __m256 A = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(u, 24 - 8 * b), 24)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(A, dxv), acc);
+    }
+    return acc;
+}
+
+/* One activation row over a Q6_K group (pass_fn's arguments, no decoded levels). Lanes 0-7 over the
+ * whole group, then lanes 8-15 from L1 / L2: with both halves a chunk at a time, gcc kept the
+ * activations' broadcasts for the second half on the stack. So that memory never idles while a
+ * half computes, every record step asks for its share of the next group (half a record), rather
+ * than the next record at once: Zen 3, 2 threads, from DRAM, the LM head 13-18 -> 21-27 GB/s
+ * (this layout, then the prefetches), 6144 x 1024 14-18 -> 22-25. */
+__attribute__((target(ISA_256))) static void q6k_one_avx2(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
+                                                         float *y, int64_t m0, int64_t N, int nr, const uint8_t *ahead) {
+    const int64_t K = x->K;
+    const int8_t *xq = x->q + m0 * K;
+    const float *dx = x->dx + m0 * x->nb;
+    const int32_t *bs = x->bsum + m0 * (K / 16);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < (nr > 8 ? 2 : 1); h++)
+        for (int64_t e = 0; e < nrec; e++) {
+            const uint8_t *rec = g0 + e * RB;
+            if (ahead) prefetch_span(g0 + nrec * RB + (h * nrec + e) * (RB / 2), RB / 2);
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(QT_Q6_K) + 16 * h)));
+            /* Written out: with a loop over the chunks (even one gcc was told to unroll) gcc kept it rolled. */
+#define Q6K_CHUNK(c) acc[h] = q6k_chunk(rec, h, c, xq + 32 * (8 * e + c), dx + 8 * e + c, bs + 2 * (8 * e + c), D, acc[h])
+            Q6K_CHUNK(0); Q6K_CHUNK(1); Q6K_CHUNK(2); Q6K_CHUNK(3); Q6K_CHUNK(4); Q6K_CHUNK(5); Q6K_CHUNK(6); Q6K_CHUNK(7);
+#undef Q6K_CHUNK
+        }
+    for (int h = 0; h < 2 && 8 * h < nr; h++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[h]);
+        memcpy(y + m0 * N + 8 * h, out, sizeof(float) * (size_t)(nr - 8 * h < 8 ? nr - 8 * h : 8));
+    }
+}
+
+/* Q4_K and Q6_K with 2-4 activation rows a pass on AVX2 (prompt chunks): packed8_avx2_of's products
+ * for those rows, op for op (the same bits), with each level vector decoded (or loaded) once and
+ * multiplied into every row before the next, so the sums of all rows stay in the 16 registers.
+ * The generic pass kept all 8 level vectors live across its rows and spilled its sums, and gcc kept
+ * its chunk loop rolled (shifts by a register). */
+__attribute__((target(ISA_256), always_inline)) static inline void q4k_rows_chunk(const uint8_t *rec, const int h,
+                                                                                   const int c, const xrows_t *x,
+                                                                                   int64_t m0, const int MR, int64_t blk,
+                                                                                   __m256 D, __m256 DMIN, __m256 *acc,
+                                                                                   __m256 *o) {
+    const int64_t K = x->K;
+    const uint8_t *q = rec + 32 * h + 64 * 8 * (c / 2);
+    const int8_t *xq = x->q + m0 * K + 32 * blk;
+    __m256i s16[R];
+    for (int r = 0; r < MR; r++) s16[r] = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int L = 0; L < 8; L++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * L));
+        const __m256i v = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+        for (int r = 0; r < MR; r++)
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + r * K + 4 * L))));
+    }
+    const uint8_t *u = rec + u_at(QT_Q4_K) + 32 * h;
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 64)),
+                  u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
+    const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), ff = _mm256_set1_epi32(0xff);
+    const __m256i sc = c < 4 ? _mm256_and_si256(u0, m6)
+                             : _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30));
+    const __m256i mn = c < 4 ? _mm256_and_si256(u1, m6)
+                             : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30));
+    const __m256 fs = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc, 8 * (c % 4)), ff));
+    const __m256 fm = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn, 8 * (c % 4)), ff));
+    const __m256 A = _mm256_mul_ps(D, fs), B = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), _mm256_set1_ps(-0.f));
+    for (int r = 0; r < MR; r++) {
+        const int64_t m = m0 + r;
+        const __m256i s = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(A, _mm256_set1_ps(x->dx[m * x->nb + blk])), acc[r]);
+        o[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[m * x->ng + blk]), o[r]);
+    }
+}
+
+/* MR rows over a Q4_K group, lanes 8h..8h+7 a pass (as packed8_avx2_of with several rows). */
+__attribute__((target(ISA_256), always_inline)) static inline void q4k_rows_of(const uint8_t *g0, int64_t nrec,
+                                                                                int64_t RB, const xrows_t *x, float *y,
+                                                                                int64_t m0, const int MR, int64_t N,
+                                                                                int nr, const uint8_t *ahead) {
+    for (int h = 0; h < 2 && 8 * h < nr; h++) {
+        __m256 acc[R], o[R];
+        for (int r = 0; r < MR; r++) acc[r] = o[r] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < nrec; e++) {
+            const uint8_t *rec = g0 + e * RB;
+            if (ahead && h == 0) prefetch_ahead(rec, RB, QT_Q4_K);
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(QT_Q4_K) + 16 * h)));
+            const __m256 DMIN = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(QT_Q4_K) + 16 * h)));
+#define Q4K_ROWS(c) q4k_rows_chunk(rec, h, c, x, m0, MR, 8 * e + c, D, DMIN, acc, o)
+            Q4K_ROWS(0); Q4K_ROWS(1); Q4K_ROWS(2); Q4K_ROWS(3); Q4K_ROWS(4); Q4K_ROWS(5); Q4K_ROWS(6); Q4K_ROWS(7);
+#undef Q4K_ROWS
+        }
+        const int cols = nr - 8 * h < 8 ? nr - 8 * h : 8;
+        for (int r = 0; r < MR; r++) {
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_add_ps(acc[r], o[r]));
+            memcpy(y + (m0 + r) * N + 8 * h, out, sizeof(float) * (size_t)cols);
+        }
+    }
+}
+
+/* Q6_K's chunk c over MR rows, one 16-group at a time (its sums in pairs of maddubs, flush_of's 2),
+ * level vectors loaded from lv (decoded once per chunk of the group) or decoded here. */
+__attribute__((target(ISA_256), always_inline)) static inline void q6k_rows_chunk(const uint8_t *rec, const int h,
+                                                                                   const int c, const xrows_t *x,
+                                                                                   int64_t m0, const int MR, int64_t blk,
+                                                                                   __m256 D, const uint8_t *lv,
+                                                                                   __m256 *acc) {
+    const int64_t K = x->K;
+    const int8_t *xq = x->q + m0 * K + 32 * blk;
+    const uint8_t *ql = rec + 32 * h + 64 * (16 * (c / 4) + 8 * (c % 2)), *qh = rec + 32 * h + 64 * (32 + 8 * (c / 4));
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(rec + u_at(QT_Q6_K) + 64 * (c / 2) + 32 * h));
+    #pragma GCC unroll 2
+    for (int g = 0; g < 2; g++) {
+        __m256i s32[R];
+        #pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            __m256i s16[R];
+            for (int r = 0; r < MR; r++) s16[r] = _mm256_setzero_si256();
+            #pragma GCC unroll 2
+            for (int L = 4 * g + 2 * p; L < 4 * g + 2 * p + 2; L++) {
+                const __m256i v = lv ? _mm256_load_si256((const __m256i *)(lv + 64 * (8 * blk + L) + 32 * h))
+                                     : q6k_level(_mm256_loadu_si256((const __m256i *)(ql + 64 * L)),
+                                                 _mm256_loadu_si256((const __m256i *)(qh + 64 * L)), c % 4);
+                for (int r = 0; r < MR; r++)
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + r * K + 4 * L))));
+            }
+            for (int r = 0; r < MR; r++) {
+                const __m256i t = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
+                s32[r] = p ? _mm256_add_epi32(s32[r], t) : t;
+            }
+        }
+        const int b = 2 * (c % 2) + g; /* the group's int8 scale: byte b of the lane's dword */
+        const __m256 A = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(u, 24 - 8 * b), 24)));
+        for (int r = 0; r < MR; r++) {
+            const int64_t m = m0 + r;
+            const __m256i si = _mm256_sub_epi32(s32[r], _mm256_set1_epi32(32 * x->bsum[m * (K / 16) + 2 * blk + g]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(A, _mm256_set1_ps(x->dx[m * x->nb + blk])), acc[r]);
+        }
+    }
+}
+
+/* MR rows over a Q6_K group, lanes 8h..8h+7 a pass. */
+__attribute__((target(ISA_256), always_inline)) static inline void q6k_rows_of(const uint8_t *g0, int64_t nrec,
+                                                                                int64_t RB, const xrows_t *x, float *y,
+                                                                                int64_t m0, const int MR, int64_t N,
+                                                                                int nr, const uint8_t *ahead,
+                                                                                const uint8_t *lv) {
+    for (int h = 0; h < 2 && 8 * h < nr; h++) {
+        __m256 acc[R];
+        for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < nrec; e++) {
+            const uint8_t *rec = g0 + e * RB;
+            if (ahead && h == 0) prefetch_ahead(rec, RB, QT_Q6_K);
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(QT_Q6_K) + 16 * h)));
+#define Q6K_ROWS(c) q6k_rows_chunk(rec, h, c, x, m0, MR, 8 * e + c, D, lv, acc)
+            Q6K_ROWS(0); Q6K_ROWS(1); Q6K_ROWS(2); Q6K_ROWS(3); Q6K_ROWS(4); Q6K_ROWS(5); Q6K_ROWS(6); Q6K_ROWS(7);
+#undef Q6K_ROWS
+        }
+        const int cols = nr - 8 * h < 8 ? nr - 8 * h : 8;
+        for (int r = 0; r < MR; r++) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[r]);
+            memcpy(y + (m0 + r) * N + 8 * h, out, sizeof(float) * (size_t)cols);
+        }
+    }
+}
+
+#define q4k_rows_of_CALL(MR, T) q4k_rows_of(g0, nrec, RB, x, y, m0, MR, N, nr, ahead)
+#define q6k_rows_of_CALL(MR, T) q6k_rows_of(g0, nrec, RB, x, y, m0, MR, N, nr, ahead, lv)
+#define q6k_rows_of_CALL0(MR, T) q6k_rows_of(g0, nrec, RB, x, y, m0, MR, N, nr, ahead, NULL)
+/* The AVX2 variant's passes of 2-4 rows: Q4_K's and Q6_K's own, the generic pass for the other types. */
+__attribute__((target(ISA_256))) static void rows_avx2(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
+                                                      float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,
+                                                      const uint8_t *ahead, const uint8_t *lv) {
+    if (type == QT_Q4_K && !lv) ROWS_2_TO_4(q4k_rows_of_CALL, QT_Q4_K)
+    else if (type == QT_Q6_K && lv) ROWS_2_TO_4(q6k_rows_of_CALL, QT_Q6_K)
+    else if (type == QT_Q6_K) ROWS_2_TO_4(q6k_rows_of_CALL0, QT_Q6_K)
+    else packed_avx2(g0, nrec, RB, x, y, m0, mr, N, nr, type, ahead, lv);
+}
+
+/* Q4_K written out likewise (the gate / up products of a Q4_K_M file; the generic pass kept its
+ * sums on the stack too), in packed8_avx2_of's order (all 8 maddubs in int16, flush_of's 8). A
+ * record half's 6-bit scales and mins, lanes 8h..8h+7, are assembled once (sc[0], mn[0]: chunks
+ * 0-3, one byte each of the lane's dword; sc[1], mn[1]: chunks 4-7) and each chunk picks its byte
+ * with one shuffle; the mins' product is -(dmin * m) as (-dmin) * m, the same bits. */
+typedef struct {
+    __m256i sc[2], mn[2];
+    __m256 d, neg_dmin;
+} q4k_scales_t;
+
+__attribute__((target(ISA_256), always_inline)) static inline q4k_scales_t q4k_scales(const uint8_t *rec, const int h) {
+    const uint8_t *u = rec + u_at(QT_Q4_K) + 32 * h;
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 64)),
+                  u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
+    const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    q4k_scales_t k;
+    k.sc[0] = _mm256_and_si256(u0, m6);
+    k.mn[0] = _mm256_and_si256(u1, m6);
+    k.sc[1] = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30));
+    k.mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30));
+    k.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(QT_Q4_K) + 16 * h)));
+    k.neg_dmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(QT_Q4_K) + 16 * h))),
+                               _mm256_set1_ps(-0.f));
+    return k;
+}
+
+/* Chunk c of record rec, lanes 8h..8h+7, into acc and o. */
+__attribute__((target(ISA_256), always_inline)) static inline void q4k_chunk(const uint8_t *rec, const int h, const int c,
+                                                                               const int8_t *xq, const float *dx,
+                                                                               const float *xs, const q4k_scales_t *k,
+                                                                               __m256 *acc, __m256 *o) {
+    const uint8_t *q = rec + 32 * h + 64 * 8 * (c / 2);
+    __m256i s16 = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int L = 0; L < 8; L++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * L));
+        const __m256i v = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + 4 * L))));
+    }
+    const __m256i s = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    const int b = c % 4; /* byte b of each dword, zero-extended */
+    const __m256i pick = _mm256_setr_epi32((int)(0x80808000u + b), (int)(0x80808004u + b), (int)(0x80808008u + b),
+                                           (int)(0x8080800cu + b), (int)(0x80808000u + b), (int)(0x80808004u + b),
+                                           (int)(0x80808008u + b), (int)(0x8080800cu + b));
+    const __m256 fs = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(k->sc[c / 4], pick));
+    const __m256 fm = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(k->mn[c / 4], pick));
+    const __m256 A = _mm256_mul_ps(k->d, fs), B = _mm256_mul_ps(k->neg_dmin, fm);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(A, _mm256_set1_ps(*dx)), *acc);
+    *o = _mm256_fmadd_ps(B, _mm256_set1_ps(*xs), *o);
+}
+
+/* One activation row over a Q4_K group, lanes and prefetches as q6k_one_avx2. Zen 3, 2 threads,
+ * from DRAM: 7168 x 1024 17-19 -> 17-24 GB/s; Qwen3.5-0.8B Q4_K_M's decode, gate_up 5.9 -> 4.9 ms. The
+ * scales assembled once per record half (q4k_scales), medians of 3 from DRAM: 16384 x 2048 23.9 -> 24.7
+ * GB/s, 2048 x 8192 22.0 -> 26.9 (from L3: 28 -> 30). */
+__attribute__((target(ISA_256))) static void q4k_one_avx2(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
+                                                            float *y, int64_t m0, int64_t N, int nr, const uint8_t *ahead) {
+    const int64_t K = x->K;
+    const int8_t *xq = x->q + m0 * K;
+    const float *dx = x->dx + m0 * x->nb, *xs = x->xsum + m0 * x->ng;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, o[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < (nr > 8 ? 2 : 1); h++)
+        for (int64_t e = 0; e < nrec; e++) {
+            const uint8_t *rec = g0 + e * RB;
+            if (ahead) prefetch_span(g0 + nrec * RB + (h * nrec + e) * (RB / 2), RB / 2);
+            const q4k_scales_t k = q4k_scales(rec, h);
+#define Q4K_CHUNK(c) q4k_chunk(rec, h, c, xq + 32 * (8 * e + c), dx + 8 * e + c, xs + 8 * e + c, &k, &acc[h], &o[h])
+            Q4K_CHUNK(0); Q4K_CHUNK(1); Q4K_CHUNK(2); Q4K_CHUNK(3); Q4K_CHUNK(4); Q4K_CHUNK(5); Q4K_CHUNK(6); Q4K_CHUNK(7);
+#undef Q4K_CHUNK
+        }
+    for (int h = 0; h < 2 && 8 * h < nr; h++) {
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(acc[h], o[h]));
+        memcpy(y + m0 * N + 8 * h, out, sizeof(float) * (size_t)(nr - 8 * h < 8 ? nr - 8 * h : 8));
+    }
+}
+
+/* The AVX2 variant's one-row passes: Q6_K's and Q4_K's own, the generic pass for the other types. */
+__attribute__((target(ISA_256))) static void one_avx2(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
+                                                     float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,
+                                                     const uint8_t *ahead, const uint8_t *lv) {
+    if (type == QT_Q6_K && !lv) q6k_one_avx2(g0, nrec, RB, x, y, m0, N, nr, ahead);
+    else if (type == QT_Q4_K && !lv) q4k_one_avx2(g0, nrec, RB, x, y, m0, N, nr, ahead);
+    else packed_avx2(g0, nrec, RB, x, y, m0, mr, N, nr, type, ahead, lv);
+}
+
 /* One activation row's 16-lane passes (a decode step of one request), scheduled before register
  * allocation with an eye on register pressure (gcc's first scheduling pass, off by default on x86).
  * Zen 4, one row: the embedded file's Q8_0 LM head 1.6x faster, down 1.17x; 4096-wide weights from
@@ -795,9 +1107,9 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
         return;
     }
     /* AVX-512BW without VNNI: the 8-lane maddubs pass (a 16-lane one is not measured to win). */
-    static const pass_fn PASS[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, packed_avx512vnni,
+    static const pass_fn PASS[ISA_COUNT] = {NULL, rows_avx2, rows_avx2, packed_avxvnni, packed_avx512vnni,
                                             packed_avx512vnni};
-    static const pass_fn ONE[ISA_COUNT] = {NULL, packed_avx2, packed_avx2, packed_avxvnni, one_avx512vnni, one_avx512vnni};
+    static const pass_fn ONE[ISA_COUNT] = {NULL, one_avx2, one_avx2, packed_avxvnni, one_avx512vnni, one_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
     static const decode_fn DECODE[ISA_COUNT] = {NULL, decode_avx2, decode_avx2, decode_avx2, decode_avx512, NULL};
     const int64_t chunk = CHUNK_BYTES / GB > 1 ? CHUNK_BYTES / GB : 1, LB = nrec * chunks_of(type) * 512;

@@ -3,7 +3,8 @@
  * ferry/model/quant.py's QUANT_TYPES mirrors (it checks each row against quant_type_traits at
  * load). Weights stay in the file's own blocks (float16 scales), so resident bytes equal the file's.
  * X(name, GGML type id = the kernels' type id, weights per block, bytes per block, q8 scale group,
- *   offset, level shift, byte offset of d): ferry_kernels.h's ferry_qt_traits_t says what each is. */
+ *   offset, level shift, byte offset of d): ferry_kernels.h's ferry_qt_traits_t says what each is.
+ * MXFP4's d is no float16 but one E8M0 byte (a power of two, qt_e8m0_half), its levels E2M1 doubled. */
 #ifndef FERRY_QUANT_TYPES_H
 #define FERRY_QUANT_TYPES_H
 #include <stdint.h>
@@ -23,7 +24,8 @@
     X(Q5_K,   13, 256, 176, 32, 1,  0,   0)       \
     X(Q6_K,   14, 256, 210, 16, 0, 32, 208)       \
     X(IQ4_NL, 20,  32,  18, 32, 0,  0,   0)       \
-    X(IQ4_XS, 23, 256, 136, 32, 0,  0,   0)
+    X(IQ4_XS, 23, 256, 136, 32, 0,  0,   0)       \
+    X(MXFP4,  39,  32,  17, 32, 0,  0,   0)
 
 #define FERRY_QT_ENUM(name, id, ...) QT_##name = id,
 enum { FERRY_QUANT_TYPES(FERRY_QT_ENUM) };
@@ -31,7 +33,7 @@ enum { FERRY_QUANT_TYPES(FERRY_QT_ENUM) };
 
 /* The rows indexed by type id (ids not in the table: a row of zeros), as quant_type_traits exports
  * them. The kernels read the same rows through the accessors below, generated from the table. */
-enum { FERRY_QT_IDS = 24 };
+enum { FERRY_QT_IDS = 40 };
 #define FERRY_QT_ROW(nm, id, block, bytes, group, offset, shift, d_at) \
     [id] = {#nm, id, block, bytes, group, offset, shift, d_at},
 static const ferry_qt_traits_t FERRY_QT_TRAITS[FERRY_QT_IDS] = {FERRY_QUANT_TYPES(FERRY_QT_ROW)};
@@ -111,6 +113,17 @@ static inline void qt_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
 
 /* IQ4_NL / IQ4_XS's non-linear levels. */
 static const int8_t KVALUES_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's levels: the E2M1 values doubled (so integers), a sign bit then 0, 0.5, 1, 1.5, 2, 3, 4, 6. */
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* MXFP4's scale: an E8M0 byte e as half of 2^(e - 127), the levels being doubled (ggml's
+ * ggml_e8m0_to_fp32_half, gguf's e8m0_to_fp32_half): 2^(e - 128), subnormal for e < 2. */
+static inline float qt_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
 #if defined(__F16C__)

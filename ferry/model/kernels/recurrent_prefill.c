@@ -43,7 +43,8 @@ void conv_rows(const float *x, int64_t x_stride, const float *window, const floa
         float *yt = y + t * C;
         for (int64_t c = 0; c < cv; c += V) {
             vf acc = bias ? loadv(bias + c) : (vf){0};
-            for (int64_t j = 0; j < K; j++) acc += loadv(w + j * C + c) * loadv(conv_input(x, x_stride, window, t + j, C, K) + c);
+            for (int64_t j = 0; j < K; j++)
+                acc += loadv(w + j * C + c) * loadv(conv_input(x, x_stride, window, t + j, C, K) + c);
             if (silu) acc = vsilu(acc);
             memcpy(yt + c, &acc, sizeof acc);
         }
@@ -178,7 +179,8 @@ static void gdn_head(const float *q, const float *k, const float *v, const float
     const int64_t T = shape[0], hv = shape[1], dk = shape[2], dv = shape[3], C = shape[4];
     const int64_t qk_stride = shape[5], v_stride = shape[6], gb_stride = shape[7], out_stride = shape[8];
     const int64_t hk = shape[9], norm = shape[11];
-    const int64_t kh = shape[10] ? h % hk : h / (hv / hk); /* llama.cpp tiles value heads over q/k heads, HF groups them */
+    /* llama.cpp tiles value heads over q/k heads, HF groups them */
+    const int64_t kh = shape[10] ? h % hk : h / (hv / hk);
     const float q_scale = norm ? 1.f / sqrtf((float)dk) : 1.f;
     float *Kc = w, *Qc = Kc + C * dk, *Kt = Qc + C * dk, *A = Kt + dk * C, *P = A + C * C, *W = P + C * C;
     float *U = W + C * dk, *S = U + C * dv, *cum = S + dk * dv, *bt = cum + C, *d = bt + C;

@@ -11,7 +11,7 @@ import torch
 
 from ferry.model.arch.parts import AttentionSpec
 from ferry.model.attention import paged_attention
-from ferry.model.fused_decode import Op
+from ferry.model.fused_decode import NotFused, Op
 from ferry.model.layers.context import StepContext
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.layers.norm import rms_norm
@@ -34,6 +34,7 @@ class Attention:
     rotary_dim: int | None = None  # rope turns each head's first rotary_dim values only (None: all)
     output_gate: bool = False  # qkv's q rows are each head's q then its gate: out * sigmoid(gate) before o
     sinks: torch.Tensor | None = None  # [this rank's query heads]: sink logits in each softmax denominator
+    o_bias: torch.Tensor | None = None  # [hidden]: added after the o product (gpt-oss)
     end = "o_proj"  # the profiler's name for the residual add after it
 
     @classmethod
@@ -41,7 +42,8 @@ class Attention:
         hq, hkv, hd = facts.heads
         return cls(packed(w["qkv"]), w.get("qkv_bias"), packed(w["o"]), facts.heads,
                    spec.scale if spec.scale is not None else hd ** -0.5, w.get("q_norm"), w.get("k_norm"),
-                   spec.window, facts.rope_index(spec), spec.rotary_dim, spec.output_gate, w.get("sinks"))
+                   spec.window, facts.rope_index(spec), spec.rotary_dim, spec.output_gate, w.get("sinks"),
+                   w.get("o_bias"))
 
     def forward(self, h: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, kern, tick = h.shape[0], ctx.use_kernel, ctx.tick
@@ -56,7 +58,7 @@ class Attention:
             o = paged_attention(q, k, v, cache[0], cache[1], ctx.meta, self.scale, use_kernel=kern, window=self.window,
                                 sinks=self.sinks)
             tick("attention")
-            return linear(o if gate is None else o * torch.sigmoid(gate), self.o_proj, use_kernel=kern)
+            return linear(o if gate is None else o * torch.sigmoid(gate), self.o_proj, self.o_bias, use_kernel=kern)
         # q and k sit side by side in qkv: rotate them in one pass.
         qk = qkv[:, :q_size + kv_size].view(T, hq + hkv, hd)
         if self.q_norm is not None:
@@ -73,7 +75,7 @@ class Attention:
         o = paged_attention(q, k, v, cache[0], cache[1], ctx.meta, self.scale, use_kernel=kern, window=self.window,
                             sinks=self.sinks)
         tick("attention")
-        return linear(o, self.o_proj, use_kernel=kern)
+        return linear(o, self.o_proj, self.o_bias, use_kernel=kern)
 
     def _split_and_rotate(self, qkv: torch.Tensor, ctx: StepContext
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -102,6 +104,8 @@ class Attention:
         return qk[:, :hq], qk[:, hq:], v, gate
 
     def ops(self, ctx: StepContext, cache: tuple[torch.Tensor, torch.Tensor]) -> list[Op]:
+        if self.o_bias is not None:
+            raise NotFused("an output bias (its models' experts decode through torch)")
         hq, hkv, hd = self.heads
         gated = self.output_gate
         n_qkv, hidden = (hq * (2 if gated else 1) + 2 * hkv) * hd, self.qkv.shape[1]

@@ -20,3 +20,4 @@ class StepContext:
     ropes: list[tuple[torch.Tensor, torch.Tensor]]  # the model's rope tables (cos, sin), by index
     rotations: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the torch path's, at the positions
     comm: Any = None  # tensor parallelism's collectives (None: one rank)
+    per_layer: torch.Tensor | None = None  # [T, layers, width]: Gemma 4's per-layer inputs

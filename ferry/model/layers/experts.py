@@ -1,6 +1,7 @@
 """Routed experts: a router picks each token's top k experts, each a gated MLP; the outputs are
 summed by the router's weights, plus a shared expert's output scaled by sigmoid of its one-row gate
-where the model has one. No op in the fused C decode: such models decode through torch."""
+where the model has one. gpt-oss adds biases (router, gate/up, down) and its clamped SwiGLU. No op
+in the fused C decode: such models decode through torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ from ferry.model.layers.mlp import ACTIVATIONS
 from ferry.model.quant import packed
 
 
-def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts) [T, top_k] of each token: the softmax's top k, renormalised if ``renorm``."""
-    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) [T, top_k] of each token: the softmax's top k, renormalised if ``renorm``
+    (which is the softmax of the top k logits, gpt-oss's routing)."""
+    probs = torch.softmax(F.linear(h, router, bias).float(), dim=-1)
     weights, chosen = torch.topk(probs, top_k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -37,6 +40,10 @@ class RoutedExperts:
     shared_gate_up: Weight | None = None  # [2 * shared intermediate, hidden]: the shared expert every token runs
     shared_down: Weight | None = None
     shared_router: torch.Tensor | None = None  # [1, hidden]: its output times sigmoid(h @ this)
+    router_bias: torch.Tensor | None = None  # [experts]
+    gate_up_bias: Sequence[torch.Tensor] | None = None  # per expert [2 * intermediate]
+    down_bias: Sequence[torch.Tensor] | None = None  # per expert [hidden]
+    swiglu: tuple[float, float] = (1.702, 7.0)  # act "swiglu_clamp"'s (alpha, limit)
     end = "down"
 
     @classmethod
@@ -44,13 +51,22 @@ class RoutedExperts:
         shared = [packed(w["shared_gate_up"]), packed(w["shared_down"]), w["shared_router"]] \
             if spec.shared_intermediate else [None, None, None]
         return cls(w["router"], [packed(x) for x in w["expert_gate_up"]], [packed(x) for x in w["expert_down"]],
-                   spec.top_k, spec.renorm, spec.act, *shared)
+                   spec.top_k, spec.renorm, spec.act, *shared, w.get("router_bias"), w.get("expert_gate_up_bias"),
+                   w.get("expert_down_bias"), spec.swiglu)
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of an expert's gate and up columns (gpt-oss's clamped form for "swiglu_clamp")."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.act != "swiglu_clamp":
+            return ACTIVATIONS[self.act](gate) * up
+        alpha, limit = self.swiglu
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     def forward(self, h: torch.Tensor, ctx: StepContext | None = None, cache: Any = None) -> torch.Tensor:
         """Each token's top-k experts, weighted; each expert runs once over all its tokens."""
         use_kernel = ctx is not None and ctx.use_kernel
-        act = ACTIVATIONS[self.act]
-        weights, chosen = route(h, self.router, self.top_k, self.renorm)
+        weights, chosen = route(h, self.router, self.top_k, self.renorm, self.router_bias)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         tokens = order // self.top_k
@@ -58,14 +74,16 @@ class RoutedExperts:
         xs, ys, start = h[tokens], torch.empty_like(h[tokens]), 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = linear(xs[start:start + n], self.gate_up[e], use_kernel=use_kernel).chunk(2, dim=-1)
-                ys[start:start + n] = linear(act(gate) * up, self.down[e], use_kernel=use_kernel)
+                gu_bias, down_bias = ((None, None) if self.gate_up_bias is None
+                                      else (self.gate_up_bias[e], self.down_bias[e]))
+                gate_up = linear(xs[start:start + n], self.gate_up[e], gu_bias, use_kernel=use_kernel)
+                ys[start:start + n] = linear(self._glu(gate_up), self.down[e], down_bias, use_kernel=use_kernel)
                 start += n
         out = torch.zeros_like(h)
         out = out.index_add_(0, tokens, ys * weights.reshape(-1)[order, None].to(h.dtype))
         if self.shared_gate_up is not None:
-            gate, up = linear(h, self.shared_gate_up, use_kernel=use_kernel).chunk(2, dim=-1)
-            shared = linear(act(gate) * up, self.shared_down, use_kernel=use_kernel)
+            shared = linear(self._glu(linear(h, self.shared_gate_up, use_kernel=use_kernel)), self.shared_down,
+                            use_kernel=use_kernel)
             out = out + torch.sigmoid(F.linear(h, self.shared_router)) * shared
         if ctx is not None:
             ctx.tick("experts")

@@ -9,8 +9,11 @@ heads are RMS-normed (plain w), times silu(z), and go through out_proj.
 
 Prefill chunks run the chunk-parallel form (``CHUNK`` tokens at a time, as transformers'
 ``torch_chunk_gated_delta_rule`` and flash-linear-attention's chunked kernel do) from the slot's
-state; decode rows take one recurrent step together. The state matrix is kept as transformers
-keeps it, [v_heads, k_dim, v_dim] (out = q @ S), in float32.
+state: with the C kernels one call per chunk (kernels/recurrent_prefill.c: each thread takes whole
+heads through their blocks, q and k normed as it reads them), else torch ops batched over all blocks
+of all heads, only the scan over blocks in a Python loop. Decode rows take one recurrent step
+together. The state matrix is kept as transformers keeps it, [v_heads, k_dim, v_dim] (out = q @ S),
+in float32.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 
 from ferry.model.arch.parts import GatedDeltaNetSpec
 from ferry.model.fused_decode import Op
+from ferry.model.kernels import load_kernels
 from ferry.model.layers.context import StepContext
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.layers.recurrent import conv_decode, conv_prefill, initial, spans
@@ -35,36 +39,106 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _blocks(x: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """x [T, H, d] (token-major; rows may be strided) as n blocks of ``chunk`` tokens per head,
+    [n, H, chunk, d] contiguous, zeros past T (k = v = 0, g = beta = 0: they leave the state as it is)."""
+    T, H, d = x.shape
+    out = x.new_empty(n, H, chunk, d)
+    tokens = out.transpose(1, 2)  # [n, chunk, H, d]: the blocks seen token-major
+    full, rest = divmod(T, chunk)
+    if full:
+        tokens[:full].copy_(x[:full * chunk].reshape(full, chunk, H, d))
+    if rest:
+        tokens[full, :rest].copy_(x[full * chunk:])
+        tokens[full, rest:].zero_()
+    return out
+
+
+def _unblock(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Blocks x [n, H, chunk, d] back into out [T, H, d] (T <= n * chunk), token-major."""
+    n, H, chunk, d = x.shape
+    tokens = x.transpose(1, 2)
+    full, rest = divmod(out.shape[0], chunk)
+    if full:
+        out[:full * chunk].view(full, chunk, H, d).copy_(tokens[:full])
+    if rest:
+        out[full * chunk:].copy_(tokens[full, :rest])
+    return out
+
+
+def delta_rule_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, chunk: int = CHUNK,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence's T tokens, token-major, ``chunk`` at a time: within
+    a chunk by a triangular solve (the UT transform) and products, across chunks by carrying the
+    state. Everything but the scan over chunks runs for all chunks of all heads at once.
+    q, k: [T, H, dk] (normed; q scaled); v: [T, H, dv]; g (log decay), beta: [T, H]; state:
+    [H, dk, dv]. Returns (outputs [T, H, dv], in ``out`` when given; the state after the last token)."""
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    n = -(-T // chunk)
+    nb = n * H  # the blocks: each chunk of each head
+    qb, kb, vb = (_blocks(x, n, chunk) for x in (q, k, v))
+    cum, bb = (_blocks(x.unsqueeze(-1), n, chunk) for x in (g, beta))  # [n, H, chunk, 1]
+    cum = cum.cumsum(2)  # log of the decay from the chunk's start to each token
+    e = cum.exp()
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum - cum.transpose(-1, -2)).masked_fill_(upper, float("-inf")).exp_().view(nb, chunk, chunk)
+    q3, k3 = qb.view(nb, chunk, dk), kb.view(nb, chunk, dk)
+    ut = torch.bmm(k3, k3.transpose(1, 2)).mul_(pair).mul_(bb.view(nb, chunk, 1))  # beta_i k_i.k_j decay(j..i)
+    intra = torch.bmm(q3, k3.transpose(1, 2)).mul_(pair)
+    w = (kb * (bb * e)).view(nb, chunk, dk)
+    u = vb.mul_(bb).view(nb, chunk, dv)
+    for x in (w, u):  # the UT transform, in place
+        torch.linalg.solve_triangular(ut, x, upper=False, unitriangular=True, out=x)
+    w, u = w.view(n, H, chunk, dk), u.view(n, H, chunk, dv)
+    qb.mul_(e)
+    kd = kb.mul_((cum[:, :, -1:] - cum).exp_())  # k decayed to its chunk's end
+    decay = e[:, :, -1:]  # [n, H, 1, 1]: each chunk's decay of the state
+    S = qb.new_empty(n + 1, H, dk, dv)  # the state before each chunk, then after the last
+    S[0] = state
+    for i in range(n):  # the scan over chunks: each reads the state the ones before it left
+        u[i].baddbmm_(w[i], S[i], alpha=-1)  # the corrections: what the state does not already give
+        torch.mul(S[i], decay[i], out=S[i + 1]).baddbmm_(kd[i].transpose(-1, -2), u[i])
+    o = torch.bmm(q3, S[:n].view(nb, dk, dv)).baddbmm_(intra, u.view(nb, chunk, dv))
+    if out is None:
+        out = o.new_empty(T, H, dv)
+    return _unblock(o.view(n, H, chunk, dv), out), S[n]
+
+
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence's T tokens, ``chunk`` at a time: within a chunk by a
-    triangular solve (the UT transform) and products, across chunks by carrying the state.
-    q, k: [H, T, dk] (normed; q scaled); v: [H, T, dv]; g (log decay), beta: [H, T]; state:
-    [H, dk, dv]. All float32. Returns (outputs [H, T, dv], the state after the last token)."""
-    H, T, dk = k.shape
-    pad = (-T) % chunk  # padded tokens have k = v = 0 and g = 0: they leave the state as it is
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (T + pad) // chunk
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    q, k, k_beta, v_beta = (x.reshape(H, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    cum = g.reshape(H, n, chunk).cumsum(-1)  # log of the decay from the chunk's start to each token
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ k.transpose(-1, -2)) * pair
-    intra = (q @ k.transpose(-1, -2)) * pair
-    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    out = torch.empty_like(new_v)
-    for i in range(n):  # the scan over chunks: each reads the state the ones before it left
-        v_new = new_v[:, i] - k_cum[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(H, n * chunk, -1)[:, :T], state
+    """delta_rule_chunks head-major: q, k: [H, T, dk]; v: [H, T, dv]; g, beta: [H, T]; state
+    [H, dk, dv]. Returns (outputs [H, T, dv], the state after the last token)."""
+    o, state = delta_rule_chunks(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), state,
+                                 chunk)
+    return o.transpose(0, 1), state
+
+
+def delta_rule_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, state_out: torch.Tensor, out: torch.Tensor, norm: bool = False,
+                      tiled: bool = False, chunk: int = CHUNK) -> None:
+    """delta_rule_chunks by the C kernel (kernels/recurrent_prefill.c), float32, one parallel region:
+    each thread takes whole heads through all chunks. q, k: [T, hk, dk], hk dividing v's heads (value
+    head h reads q/k head h % hk when ``tiled``, else h // (H // hk)), raw with ``norm`` (L2-normed
+    there, q scaled by dk ** -0.5); v: [T, H, dv]; g, beta: [T, H]; rows may be strided. Writes the
+    outputs into ``out`` [T, H, dv] and the final state into ``state_out`` (may be ``state`` itself)."""
+    T, hk, dk = q.shape
+    H, dv = v.shape[1:]
+    q, k, v, g, beta = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+                        for x in (q, k, v, g, beta))
+    if k.stride() != q.stride():
+        q, k = q.contiguous(), k.contiguous()
+    if beta.stride() != g.stride():
+        g, beta = g.contiguous(), beta.contiguous()
+    state = state.contiguous()
+    assert all(x.dtype == torch.float32 for x in (q, k, v, g, beta, state, state_out, out))
+    assert out.stride()[1:] == (dv, 1) and state_out.is_contiguous() and H % hk == 0
+    shape = torch.tensor([T, H, dk, dv, chunk, q.stride(0), v.stride(0), g.stride(0), out.stride(0), hk, int(tiled),
+                          int(norm)], dtype=torch.int64)
+    if load_kernels().gdn_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                  state.data_ptr(), state_out.data_ptr(), out.data_ptr(), shape.data_ptr()):
+        raise MemoryError("the delta rule kernel's scratch")
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -80,8 +154,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm over the last dimension, times the plain weight, times silu(z) (all float32)."""
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x * F.silu(z.float())
+    return F.rms_norm(x, (x.shape[-1],), weight, eps).mul_(F.silu(z.float()))  # one fused norm
 
 
 @dataclass
@@ -100,9 +173,9 @@ class GatedDeltaNet:
         return cls(packed(w["gdn_in"]), w["gdn_conv"].squeeze(1).contiguous(), -w["gdn_A_log"].float().exp(),
                    w["gdn_dt_bias"].float(), w["gdn_norm"].float(), packed(w["gdn_out"]), spec)
 
-    def _qkv(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The convolved rows -> q, k [T, v_heads, k_dim] (normed; q scaled), v [T, v_heads, v_dim];
-        g, beta [T, v_heads]; float32."""
+        float32."""
         s, T = self.spec, x.shape[0]
         kd = s.k_heads * s.k_dim
         q, k, v = x.float().split([kd, kd, s.v_heads * s.v_dim], dim=-1)
@@ -111,8 +184,21 @@ class GatedDeltaNet:
         if s.v_heads != s.k_heads:  # a q/k head serves v_heads // k_heads value heads: consecutive, or tiled
             r = s.v_heads // s.k_heads
             q, k = ((t.repeat(1, r, 1) if s.v_tiled else t.repeat_interleave(r, dim=1)) for t in (q, k))
-        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
-        return q, k, v.reshape(T, s.v_heads, s.v_dim), g, b.float().sigmoid()
+        return q, k, v.reshape(T, s.v_heads, s.v_dim)
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g (log decay), beta [T, v_heads] float32."""
+        return self.neg_A * F.softplus(a.float() + self.dt_bias), b.float().sigmoid()
+
+    def _chunk_kernel(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                      state_out: torch.Tensor, out: torch.Tensor) -> None:
+        """One prefill chunk's delta rule by the C kernel, q, k, v read (and q, k normed) from the
+        convolved rows x [T, conv_dim] float32."""
+        s, T = self.spec, x.shape[0]
+        kd = s.k_heads * s.k_dim
+        q, k, v = x.split([kd, kd, s.v_heads * s.v_dim], dim=-1)
+        q, k, v = q.view(T, s.k_heads, s.k_dim), k.view(T, s.k_heads, s.k_dim), v.view(T, s.v_heads, s.v_dim)
+        delta_rule_kernel(q, k, v, g, beta, state, state_out, out, norm=True, tiled=s.v_tiled)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """h: [T, hidden] normed rows (decodes first, then prefill chunks); ``cache["conv"]``
@@ -125,22 +211,26 @@ class GatedDeltaNet:
         ctx.tick("in_proj")
         nd = meta.num_decodes
         slots = meta.decode_state_slots
-        x = torch.empty_like(mixed)
+        x = mixed.new_empty(mixed.shape)  # row-major whatever the product's layout: the C chunks read its rows
         if nd:  # one step for every decode, each from and to its own slot
             x[:nd], windows[slots] = conv_decode(mixed[:nd], self.conv, None, windows[slots], silu=True)
         for rows, span in spans(meta):  # a chunk may end inside the window: the window carries it
-            x[rows], windows[span.state_slot] = conv_prefill(mixed[rows], self.conv, None, initial(windows, span),
-                                                             silu=True)
+            windows[span.state_slot] = conv_prefill(mixed[rows], self.conv, None, initial(windows, span), silu=True,
+                                                    use_kernel=kern, out=x[rows])[1]
         ctx.tick("conv")
-        q, k, v, g, beta = self._qkv(x, a, b)
+        g, beta = self._gates(a, b)
+        fused = kern and x.dtype == torch.float32  # the C chunks read q, k, v from x and norm q, k there
+        q, k, v = self._qkv(x[:nd] if fused else x)
         o = torch.empty(T, s.v_heads, s.v_dim, dtype=torch.float32, device=h.device)
         if nd:
             o[:nd], states[slots] = recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states[slots])
         for rows, span in spans(meta):  # each chunk from its slot's state (zeros at the sequence's start)
-            out, states[span.state_slot] = chunk_delta_rule(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1), g[rows].t(), beta[rows].t(),
-                initial(states, span))
-            o[rows] = out.transpose(0, 1)
+            if fused:  # in place: each head's state is read whole before it is written
+                self._chunk_kernel(x[rows], g[rows], beta[rows], initial(states, span), states[span.state_slot],
+                                   o[rows])
+            else:
+                states[span.state_slot] = delta_rule_chunks(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                            initial(states, span), out=o[rows])[1]
         ctx.tick("delta_rule")
         o = gated_rms_norm(o, z.reshape(T, s.v_heads, s.v_dim), self.norm, ctx.eps)
         return linear(o.reshape(T, vd).to(h.dtype), self.out_proj, use_kernel=kern)

@@ -85,6 +85,14 @@ def _freq_factors(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int,
     return inv / torch.tensor(sc["factors"], dtype=torch.float32), 1.0
 
 
+def _proportional(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len: int
+                  ) -> tuple[torch.Tensor, float]:
+    # Gemma 4's global layers: the first partial_rotary_factor of the frequencies turn (the exponents
+    # over the whole head), the rest are 0 (cos 1, sin 0), over a table as wide as the head.
+    turned = int(sc.get("partial_rotary_factor", 1.0) * dim // 2)
+    return torch.cat([inv[:turned], torch.zeros_like(inv[turned:])]) / sc.get("factor", 1.0), 1.0
+
+
 def _none(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len: int) -> tuple[torch.Tensor, float]:
     return torch.zeros_like(inv), 1.0  # cos 1, sin 0: layers without rope (SmolLM3's every fourth)
 
@@ -92,7 +100,7 @@ def _none(inv: torch.Tensor, sc: dict[str, Any], dim: int, max_pos: int, max_len
 SCALINGS: dict[str, InvFreq] = {
     "none": _none,
     "default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3, "yarn": _yarn,
-    "longrope": _longrope, "freq_factors": _freq_factors,
+    "longrope": _longrope, "freq_factors": _freq_factors, "proportional": _proportional,
 }
 
 

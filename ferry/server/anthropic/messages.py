@@ -11,6 +11,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ferry.engine.async_engine import EngineDead
+from ferry.multimodal.images import MEDIA_TYPES
+from ferry.multimodal.parts import image_part
 from ferry.server.anthropic.errors import anthropic_error_body
 from ferry.server.context import ServerContext, model_context
 from ferry.server.errors import APIError
@@ -74,6 +76,22 @@ def _string(value: Any, where: str) -> str:
     return value
 
 
+def _image_source(source: Any, where: str) -> tuple[str, str]:
+    """An image block's source as a URL for ``load_image``, and its field: ``{"type": "base64",
+    "media_type", "data"}`` a data: URL, ``{"type": "url", "url"}`` its URL; a 400 naming the field at fault."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media = source.get("media_type")
+        if media not in MEDIA_TYPES:
+            raise APIError(400, f"{where}.media_type must be one of {', '.join(MEDIA_TYPES)}, got {media!r:.60}",
+                           param=f"{where}.media_type")
+        return f"data:{media};base64,{_string(source.get('data'), f'{where}.data')}", f"{where}.data"
+    if kind == "url":
+        return _string(source.get("url"), f"{where}.url"), f"{where}.url"
+    raise APIError(400, f"{where}.type: an image source must be of type base64 or url, got {kind!r:.60}",
+                   param=f"{where}.type")
+
+
 def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic's system and content blocks as the chat messages the template renders."""
     conv: list[dict[str, Any]] = []
@@ -91,11 +109,15 @@ def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, A
             raise APIError(400, f"messages[{i}].content must be a string or a list of blocks",
                            param=f"messages[{i}].content")
         texts, calls, thinking = [], [], []
+        parts: list[dict[str, Any]] = []  # text and images in order, when the message holds images
         for j, b in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
                 texts.append(_string(b.get("text", ""), f"{where}.text"))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif kind == "image" and role == "user":
+                parts.append(image_part(*_image_source(b.get("source"), f"{where}.source")))
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": b.get("id"), "type": "function", "function": {
                     "name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
@@ -108,7 +130,9 @@ def conversation(body: MessagesRequest | CountTokensRequest) -> list[dict[str, A
             else:
                 raise APIError(400, f"{where}.type: block type {kind!r} is not supported in a {role} message",
                                param=f"{where}.type")
-        if texts or calls or thinking:
+        if len(parts) > len(texts):  # images: a user message of text and image parts
+            conv.append({"role": role, "content": parts})
+        elif texts or calls or thinking:
             msg: dict[str, Any] = {"role": role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
@@ -170,7 +194,7 @@ def _tool_use(c: ToolCall) -> dict[str, Any]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, raw: Request) -> dict[str, Any]:
     ctx = await model_context(raw, body.model)
-    _, prompt = await _prompt(ctx, body, raw)
+    _, prompt, _ = await _prompt(ctx, body, raw)
     return {"input_tokens": len(prompt)}
 
 
@@ -179,13 +203,14 @@ async def messages(body: MessagesRequest, raw: Request):
     ctx = await model_context(raw, body.model)
     if body.max_tokens < 1:
         raise APIError(400, f"max_tokens must be an integer >= 1, got {body.max_tokens}", param="max_tokens")
-    spec, prompt = await _prompt(ctx, body, raw)
+    spec, prompt, images = await _prompt(ctx, body, raw)
     sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], max_tokens=body.max_tokens,
                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                      stop=body.stop_sequences)
     parser = tool_parser(ctx)
     sp = ctx.params(sampling, body.max_tokens, None, None, **tool_overrides(spec, parser))
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0), tag_fallback=spec is not None and spec.choice == "auto")
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0, images),
+                              tag_fallback=spec is not None and spec.choice == "auto")
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return StreamingResponse(_events(ctx, stream, spec, parser, mid, prompt), media_type="text/event-stream")

@@ -9,13 +9,17 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ferry.core.multimodal import ImageFeature
 from ferry.engine.outputs import RequestOutput
+from ferry.multimodal.images import ImageError
+from ferry.multimodal.parts import message_content, take_images
 from ferry.server.context import RequestTemplate, ServerContext, model_context
 from ferry.server.errors import APIError, bad_value
 from ferry.server.generation import Usage, collect, deltas, include_usage, openai_sse, usage_of
 from ferry.server.json_body import BoundedJSONRoute
 from ferry.server.logprobs import chat_logprobs, prompt_logprobs_json
 from ferry.server.protocol import ChatCompletionRequest
+from ferry.server.harmony import HarmonyStream
 from ferry.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens
 from ferry.server.tools.calls import ToolCall
 from ferry.server.tools.output import ToolOutput, finish_reason
@@ -41,11 +45,16 @@ def text_content(content: str | list[dict] | None, param: str = "messages") -> s
 
 
 def conversation_of(messages: list[Any]) -> list[dict[str, Any]]:
-    """The conversation the chat template renders, from request messages (models or dicts)."""
+    """The conversation the chat template renders, from request messages (models or dicts): a
+    message's content its text, or with images its text and image parts (``ferry.multimodal.parts``)."""
     conv = []
     for i, m in enumerate(messages):
         m = m if isinstance(m, dict) else m.model_dump(exclude_none=True)
-        m = {**m, "content": text_content(m.get("content"), f"messages[{i}].content")}
+        try:
+            content = message_content(m.get("content"), f"messages[{i}].content", m.get("role"))
+        except ImageError as e:
+            raise APIError(400, e.message, param=e.field) from None
+        m = {**m, "content": content}
         if m.get("reasoning") is not None and m.get("reasoning_content") is None:
             m["reasoning_content"] = m.pop("reasoning")  # the name templates read
         conv.append(m)
@@ -81,6 +90,12 @@ class ChoiceText:
             opened = prompt_opens(rp, ctx.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
         self.reasoning = ReasoningStream(rp, opened) if rp is not None and not constrained else None
         self.tools = ToolOutput(spec, parser) if spec is not None and spec.choice != "none" else None
+        # gpt-oss's harmony channels (the template's format, or --reasoning-parser harmony): read as
+        # one stream, its calls joining the tools' list (under auto; a constrained call is plain JSON).
+        self.harmony = None
+        if (parser.name == "harmony" or (rp is not None and rp.name == "harmony")) and not constrained:
+            self.harmony = HarmonyStream(self.tools.calls if self.tools is not None else None,
+                                         spec.names if spec is not None else None)
         self.blank = ""  # whitespace-only content held back until other text (or the end) says what it is
         self.spoke = False  # content other than whitespace was given
 
@@ -93,6 +108,8 @@ class ChoiceText:
     def feed_pieces(self, text: str, finished: bool) -> list[Piece]:
         """What ``text``, the choice's next text, gives: reasoning, content and tool_call deltas in the
         order written (what the Responses and Messages routes turn into items and blocks)."""
+        if self.harmony is not None:
+            return self.harmony.feed(text, finished)
         reasoning, content = self.reasoning.feed(text, finished) if self.reasoning else ("", text)
         if self.tools is None:
             return [(k, v) for k, v in (("reasoning", reasoning), ("content", content)) if v]
@@ -124,7 +141,8 @@ class ChoiceText:
         """(reasoning, None when there was no think block; content; calls) of a whole output."""
         pieces = self.whole_pieces(text)
         reasoning = "".join(v for k, v in pieces if k == "reasoning")
-        return (reasoning if self.reasoning is not None and self.reasoning.saw else None,
+        saw = self.harmony.saw if self.harmony is not None else self.reasoning is not None and self.reasoning.saw
+        return (reasoning if saw else None,
                 "".join(v for k, v in pieces if k == "content"), [v for k, v in pieces if k == "call"])
 
     def whole_pieces(self, text: str) -> list[Piece]:
@@ -199,24 +217,27 @@ async def chat_prompt(ctx: ServerContext, messages: list[Any], tools: list[dict[
                       tool_choice: Any, parallel: bool | None, template_kwargs: dict[str, Any] | None,
                       add_generation_prompt: bool = True, continue_final: bool = False,
                       chat_template: str | None = None, raw: Request | None = None
-                      ) -> tuple[ToolSpec | None, list[int]]:
-    """The checked tools and the prompt's token ids: the conversation (with earlier calls and
-    results) and the tools through the chat template, or the generic tool prompt (``render.py``).
+                      ) -> tuple[ToolSpec | None, list[int], tuple[ImageFeature, ...]]:
+    """The checked tools, the prompt's token ids and its images: the conversation (with earlier
+    calls and results, and images) and the tools through the chat template, or the generic tool
+    prompt (``render.py``); images are loaded and checked first (``ServerContext.load_images``).
     ``continue_final``: the last (assistant) message is the start of the answer, left open.
     ``chat_template``: the request's top-level field; ``raw``: the request, whose client's
     disconnecting cancels the render. Cheap checks come first, the tools' schemas last."""
     kwargs, template = request_template(ctx, template_kwargs, chat_template)
     spec, tools_size = await checked_tools(ctx, tools, tool_choice, parallel)
     source = template.source if template is not None else ctx.need_tokenizer().chat_template
-    conv, template_tools = with_tools(conversation_of(messages), spec, source)
+    conv, refs = take_images(conversation_of(messages))  # the images' sources out before any length is counted
+    conv, template_tools = with_tools(conv, spec, source)
     ctx.check_prompt_length(conv, tools_size if template_tools else 0)
+    images = await ctx.load_images(refs)
     if spec is not None:
         await asyncio.to_thread(check_schemas, spec)
     if continue_final:
         kwargs["continue_final_message"] = True
-    prompt = await ctx.render_chat(conv, template_tools, add_generation_prompt and not continue_final, kwargs,
-                                   template=template, raw=raw)
-    return spec, prompt
+    prompt, features = await ctx.render_prompt(conv, template_tools, add_generation_prompt and not continue_final,
+                                               kwargs, template=template, raw=raw, images=images)
+    return spec, prompt, features
 
 
 def tool_overrides(spec: ToolSpec | None, parser: ToolParser, constrained: bool = False) -> dict[str, Any]:
@@ -236,13 +257,29 @@ def tool_overrides(spec: ToolSpec | None, parser: ToolParser, constrained: bool 
     return out
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def effort_kwargs(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The request's chat_template_kwargs with its ``reasoning_effort`` among them (a 400 naming the
+    field for an effort not in REASONING_EFFORTS); chat_template_kwargs' own wins."""
+    effort = body.reasoning_effort
+    if effort is None:
+        return body.chat_template_kwargs
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       param="reasoning_effort")
+    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
+
+
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request):
     ctx = await model_context(raw, body.model)
     ctx.check_request(body)
     tokenizer = ctx.need_tokenizer()
-    spec, prompt = await chat_prompt(ctx, body.messages, body.tools, body.tool_choice, body.parallel_tool_calls,
-                                     body.chat_template_kwargs, chat_template=body.chat_template, raw=raw)
+    spec, prompt, images = await chat_prompt(ctx, body.messages, body.tools, body.tool_choice,
+                                             body.parallel_tool_calls, effort_kwargs(body),
+                                             chat_template=body.chat_template, raw=raw)
     parser = tool_parser(ctx)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
@@ -259,9 +296,11 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     if spec is not None and spec.constrained and own_format:
         raise APIError(400, "tool_choice 'required' or a named function already constrains the output; "
                        "send no response_format or structured_outputs with it", param="tool_choice")
-    sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs,
-                    **tool_overrides(spec, parser, own_format))
-    stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority),
+    overrides = tool_overrides(spec, parser, own_format)
+    if parser.name == "harmony" or ctx.reasoning_parser == "harmony":  # its channels are special tokens
+        overrides["skip_special_tokens"] = False
+    sp = ctx.params(body, max_tokens, (top or 0) if body.logprobs else None, body.prompt_logprobs, **overrides)
+    stream = await ctx.submit(ctx.sub_requests([prompt], sp, body.n, body.priority, images),
                               tag_fallback=spec is not None and spec.choice == "auto" and not own_format)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name}

@@ -14,6 +14,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ferry.engine.async_engine import EngineDead
+from ferry.multimodal.images import ImageError
+from ferry.multimodal.parts import message_content
 from ferry.server.context import ServerContext, context, model_context
 from ferry.server.errors import APIError
 from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
@@ -51,11 +53,14 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
+_IMAGE_PARTS = ("input_image", "image_url")
 
 
-def _text(content: Any, param: str) -> str:
+def _text(content: Any, param: str) -> str | list[dict[str, Any]]:
     """A message item's content as text: a string, or a list of text parts (a 400 naming ``param``
-    for anything else, which chat's ``text_content`` would take for parts and fail on)."""
+    for anything else, which chat's ``text_content`` would take for parts and fail on). Content
+    with images stays a list of its text and image parts, as sent (chat's ``message_content``
+    checks and loads them when the prompt is made)."""
     if isinstance(content, list):
         for j, part in enumerate(content):
             if not isinstance(part, dict):
@@ -66,6 +71,8 @@ def _text(content: Any, param: str) -> str:
     elif content is not None and not isinstance(content, str):
         raise APIError(400, f"{param} must be a string or a list of content parts, got {content!r:.60}",
                        param=param)
+    if isinstance(content, list) and any(part.get("type") in _IMAGE_PARTS for part in content):
+        return [{"type": "input_text", "text": p["text"]} if p.get("type") in _TEXT_PARTS else p for p in content]
     return text_content(content, param)
 
 
@@ -106,16 +113,24 @@ def rendered_items(items: list[dict[str, Any]], where: str = "input") -> list[di
     return kept
 
 
-def conversation(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rendered items (``rendered_items``: messages, function calls and their outputs) as chat messages."""
+def conversation(instructions: str | None, items: list[dict[str, Any]], first_new: int = 0) -> list[dict[str, Any]]:
+    """Rendered items (``rendered_items``: messages, function calls and their outputs) as chat messages;
+    ``items[first_new:]`` are the request's input (a bad image there is named by its input field,
+    one in the items before by previous_response_id)."""
     conv: list[dict[str, Any]] = []
     if instructions:  # a previous response's instructions are not carried over (OpenAI's rule)
         conv.append({"role": "system", "content": instructions})
-    for item in items:
+    for k, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
-            conv.append({"role": "system" if item["role"] == "developer" else item["role"],
-                         "content": item["content"]})
+            content = item["content"]
+            if isinstance(content, list):  # with images
+                at = f"input[{k - first_new}].content" if k >= first_new else "previous_response_id"
+                try:
+                    content = message_content(content, at, item["role"])
+                except ImageError as e:
+                    raise APIError(400, e.message, param=e.field) from None
+            conv.append({"role": "system" if item["role"] == "developer" else item["role"], "content": content})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -235,8 +250,8 @@ async def responses(body: ResponsesRequest, raw: Request):
                        param="max_output_tokens")
     response_format = text_format(body)[1]
     tools, choice = _tools(body)
-    spec, prompt = await chat_prompt(ctx, conversation(body.instructions, items), tools, choice,
-                                     body.parallel_tool_calls, None, raw=raw)
+    spec, prompt, images = await chat_prompt(ctx, conversation(body.instructions, items, len(before)), tools, choice,
+                                             body.parallel_tool_calls, None, raw=raw)
     try:  # text.format goes through chat's response_format, so both constrain the output alike
         sampling = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], temperature=body.temperature,
                                          top_p=body.top_p, response_format=response_format)
@@ -251,7 +266,7 @@ async def responses(body: ResponsesRequest, raw: Request):
     parser = tool_parser(ctx)
     sp = ctx.params(sampling, body.max_output_tokens, None, None, **tool_overrides(spec, parser, own_format))
     try:
-        stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0),
+        stream = await ctx.submit(ctx.sub_requests([prompt], sp, 1, 0, images),
                                   tag_fallback=spec is not None and spec.choice == "auto" and not own_format)
     except APIError as e:  # a schema the grammar engine refused is the format's fault
         if own_format and (e.param or "").startswith("structured_outputs"):

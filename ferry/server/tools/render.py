@@ -18,6 +18,16 @@ def template_takes_tools(template: str) -> bool:
     return "tools" in template
 
 
+def harmony_message(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message as gpt-oss's template reads it: its reasoning under "thinking", and text
+    content (the template tests what the content holds: null would fail the render)."""
+    if m.get("reasoning_content") is not None and m.get("thinking") is None:
+        m["thinking"] = m.pop("reasoning_content")
+    if m.get("content") is None:
+        m["content"] = ""
+    return m
+
+
 def _arguments(args: Any) -> Any:
     """Templates iterate or tojson the arguments: a JSON string becomes the object it holds."""
     if isinstance(args, str):
@@ -31,9 +41,12 @@ def _arguments(args: Any) -> Any:
 def with_tools(conv: list[dict[str, Any]], spec: ToolSpec | None, template: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(conversation, tools for the template): the conversation rewritten where the template needs it."""
     takes = template_takes_tools(template)
+    harmony = "<|channel|>" in template
     out = []
     for m in conv:
         m = dict(m)
+        if harmony and m.get("role") == "assistant":
+            m = harmony_message(m)
         if m.get("tool_calls"):
             calls = [{**c, "function": {**c.get("function", {}),
                                         "arguments": _arguments(c.get("function", {}).get("arguments"))}}

@@ -11,5 +11,6 @@ from ferry.server.tools.parsers.base import PARSERS, ToolParser, ToolStream, ext
 # template writing <function= calls writes hermes's <tool_call> around them.
 from ferry.server.tools.parsers import qwen_xml  # noqa: F401  (it registers)
 from ferry.server.tools.parsers import generic_json, hermes, llama3, mistral  # noqa: F401  (they register)
+from ferry.server.tools.parsers import harmony  # noqa: F401  (it registers)
 
 __all__ = ["PARSERS", "ToolParser", "ToolStream", "extract", "parser_for_template"]

@@ -1,0 +1,85 @@
+"""The executor's side of images: the encoder cache and each step's image rows.
+
+The scheduler names the images to encode before a step (``SchedulerOutput.encoder_inputs``) and
+the outputs no chunk will read again (``freed_encoder_hashes``); outputs are kept by image hash,
+so the same image in several requests is encoded once. A chunk may cut an image's span anywhere:
+it takes the rows of the output its tokens cover. Rope positions come from each request's images
+(``ferry.model.multimodal.RequestPositions``): a text-only request's stay as packed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ferry.core.outputs import SchedulerOutput
+from ferry.executor.batch import PackedBatch
+from ferry.executor.request_state import RequestStates
+from ferry.model.layers.vision import VisionOutput
+from ferry.model.multimodal import ImageEncoder, ImageRows, RequestPositions
+
+
+class ImageSteps:
+    """Encoder outputs by image hash, and the image rows of each step's packed batch."""
+
+    def __init__(self, encoder: ImageEncoder) -> None:
+        self.encoder = encoder
+        self.cache: dict[bytes, VisionOutput] = {}
+        self.positions: dict[str, RequestPositions] = {}
+
+    def apply(self, out: SchedulerOutput, states: RequestStates) -> None:
+        """Drop the freed outputs, forget finished requests, encode the step's scheduled images."""
+        for h in out.freed_encoder_hashes:
+            self.cache.pop(h, None)
+        for rid in out.finished_req_ids:
+            self.positions.pop(rid, None)
+        for rid, i in out.encoder_inputs:
+            self._output(states[rid].images[i])
+
+    def _output(self, image: Any) -> VisionOutput:
+        got = self.cache.get(image.hash)
+        if got is None:  # scheduled in this step (or, defensively, needed and not held)
+            got = self.cache[image.hash] = self.encoder.encode(image)
+        return got
+
+    def rows(self, out: SchedulerOutput, batch: PackedBatch, states: RequestStates) -> ImageRows | None:
+        """The step's image rows; shifts the packed positions of requests with images (rows in
+        ``pack``'s order: decodes first, then prefill chunks)."""
+        ordered = [c for c in out.chunks if c.decode] + [c for c in out.chunks if not c.decode]
+        if not any(states[c.request_id].images for c in ordered):
+            return None
+        rows: list[int] = []
+        parts: list[tuple[VisionOutput, int, int]] = []
+        pos3 = None
+        row = 0
+        for c in ordered:
+            r = states[c.request_id]
+            if r.images:
+                p = self.positions.get(c.request_id)
+                if p is None:
+                    p = self.positions[c.request_id] = self.encoder.positions(r.images)
+                at = p.at(c.start, c.num_tokens)
+                batch.positions[row:row + c.num_tokens] = at[0]
+                for im in r.images:
+                    lo, hi = max(c.start, im.offset), min(c.start + c.num_tokens, im.end)
+                    if lo < hi:
+                        if pos3 is None:
+                            pos3 = batch.positions.expand(3, -1).clone()
+                        rows.extend(range(row + lo - c.start, row + hi - c.start))
+                        parts.append((self._output(im), lo - im.offset, hi - im.offset))
+                if pos3 is not None:
+                    pos3[:, row:row + c.num_tokens] = at
+            row += c.num_tokens
+        if not rows:
+            return None
+        embeds = torch.cat([o.embeds[a:b] for o, a, b in parts])
+        layers = len(parts[0][0].deepstack)
+        deepstack = [torch.cat([o.deepstack[k][a:b] for o, a, b in parts]) for k in range(layers)]
+        return ImageRows(torch.tensor(rows, dtype=torch.long), embeds, deepstack, pos3, self.encoder.section)
+
+    def to(self, rows: ImageRows | None, device: torch.device) -> ImageRows | None:
+        """The rows on the model's device (positions and indices; the outputs are made there)."""
+        if rows is None or device.type == "cpu":
+            return rows
+        return ImageRows(rows.rows.to(device), rows.embeds, rows.deepstack, rows.rope_positions.to(device),
+                         rows.section)

@@ -1,0 +1,158 @@
+"""Qwen3-VL against transformers' Qwen3VLForConditionalGeneration: a tiny random model made by
+transformers (float32, eager; a 3-block vision tower with two deepstack mergers) with its image
+processor config saved beside it, and 32..64-pixel images. Prompt logprobs, greedy tokens and
+their logprobs through ferry.LLM with one and two images, chunks that cut an image's span, the
+encoder budget, preemption, and prefix-cache keys that hold the image's hash. The same vision
+tower (no deepstack) before Qwen3.5's hybrid language model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferry import LLM, SamplingParams
+from ferry.model.kernels import load_kernels
+from ferry.multimodal.processor import ImagePrompter
+from tests.vl_models import hf_greedy, hf_logprobs, image, make_qwen3_5_vl_model, make_vl_model
+
+P = "<|vision_start|><|image_pad|><|vision_end|>"
+NEW = 6
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_vl")
+    model = make_vl_model(path)
+    prompter = ImagePrompter.for_model(path)
+    prompts = [prompter.encode(f"w5 w7 {P} w9 w11 w13 w2", [image(64, 64, 1)]),  # one image of 16 tokens
+               prompter.encode(f"w5 w8 {P} w9 w11 {P} w3 w4", [image(32, 32, 2), image(48, 64, 3)]),  # 4 and 12
+               prompter.encode("w5 w7 w9 w11 w13 w2 w17", [])]  # text alone
+    refs = [(hf_logprobs(model, ids, ims), *hf_greedy(model, ids, ims, NEW)) for ids, ims in prompts]
+    return path, model, prompter, prompts, refs
+
+
+def engine(path, **kw) -> LLM:
+    kw = {"max_num_batched_tokens": 8, "max_num_seqs": 3, "block_size": 4, "num_kv_blocks": 64,
+          "enable_prefix_caching": True, **kw}
+    return LLM(model=str(path), quant_activations="exact", **kw)
+
+
+def record(llm: LLM) -> list:
+    """Every scheduler output of ``llm`` from now on."""
+    outs, schedule = [], llm.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        outs.append(out)
+        return out
+
+    llm.engine.scheduler.schedule = spy
+    return outs
+
+
+def run(llm: LLM, prompts, which=None) -> list:
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, prompt_logprobs=0, logprobs=0)
+    which = range(len(prompts)) if which is None else which
+    return llm.generate([prompts[i][0] for i in which], sp, use_tqdm=False, images=[prompts[i][1] for i in which])
+
+
+def check(outs, prompts, refs, which=None) -> float:
+    """Greedy tokens equal transformers'; returns the largest |logprob difference| (prompt and decode)."""
+    worst = 0.0
+    for i, out in zip(range(len(prompts)) if which is None else which, outs):
+        ids, (ref_prompt, ref_tokens, ref_decode) = prompts[i][0], refs[i]
+        assert out.outputs[0].token_ids == ref_tokens
+        got = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
+        dec = torch.tensor([out.outputs[0].logprobs[j][t] for j, t in enumerate(ref_tokens)])
+        worst = max(worst, float((got - ref_prompt).abs().max()), float((dec - ref_decode).abs().max()))
+    return worst
+
+
+def test_the_prompter_expands_each_placeholder_to_its_image_tokens(vl):
+    path, model, prompter, prompts, refs = vl
+    ids, images = prompts[1]
+    assert [(im.offset, im.length) for im in images] == [(3, 4), (11, 12)]
+    assert ids[2] == 300 and ids[3:7] == [301] * 4 and ids[7] == 303 and ids[11:23] == [301] * 12
+    again = prompter.encode(f"w1 {P}", [image(32, 32, 2)])[1][0]
+    assert again.hash == images[0].hash and again.hash != prompts[0][1][0].hash
+    with pytest.raises(ValueError, match="1 image placeholder.*2 image"):
+        prompter.encode(f"w1 {P}", [image(32, 32, 2), image(32, 32, 3)])
+
+
+def test_logprobs_and_greedy_tokens_match_transformers_with_chunks_cutting_images(vl):
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path)
+    if load_kernels() is not None:
+        assert llm.engine.executor.model.fused is not None  # decode (positions shifted) stays fused
+    steps = record(llm)
+    diff = check(run(llm, prompts), prompts, refs)
+    print(f"qwen3-vl max |d logprob| {diff:.2e}")
+    assert diff < TOL
+    # Some chunk ended inside an image's span, and the image was encoded once for all its chunks.
+    spans = {(p[0][:3] == prompts[0][0][:3], im.offset, im.end) for p in prompts[:2] for im in p[1]}
+    ends = [c.start + c.num_tokens for s in steps for c in s.chunks]
+    assert any(off < e < end for _, off, end in spans for e in ends)
+    assert llm.engine.executor.images.encoder.num_encoded == 3
+    # Once nothing reads them, the encoder outputs go.
+    check(run(llm, prompts, [2]), prompts, refs, [2])
+    assert llm.engine.executor.images.cache == {} and llm.engine.scheduler.encoder_refs == {}
+
+
+def test_the_encoder_budget_ends_a_chunk_before_an_image_that_does_not_fit(vl):
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path, max_num_batched_tokens=64, max_num_encoder_tokens=16)
+    steps = record(llm)
+    assert check(run(llm, prompts, [0, 1]), prompts, refs, [0, 1]) < TOL
+    first = {c.request_id: c for c in steps[0].chunks}
+    a, b = (c.request_id for c in steps[0].chunks)  # boarded in order
+    # The first prompt's 16-token image takes the whole budget: the second stops before its first image.
+    assert first[a].num_tokens == len(prompts[0][0]) and first[b].num_tokens == prompts[1][1][0].offset
+    assert steps[0].encoder_inputs == [(a, 0)]
+    assert steps[1].encoder_inputs == [(b, 0), (b, 1)]  # 4 + 12 tokens fit the next step's budget
+    # An image larger than the whole budget still runs, alone in its step.
+    llm = engine(path, max_num_batched_tokens=64, max_num_encoder_tokens=8)
+    steps = record(llm)
+    assert check(run(llm, prompts, [0]), prompts, refs, [0]) < TOL
+    assert steps[0].encoder_inputs and steps[0].chunks[0].num_tokens == len(prompts[0][0])
+
+
+def test_preempted_requests_recompute_their_images(vl):
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path, num_kv_blocks=12)
+    assert check(run(llm, prompts), prompts, refs) < TOL
+    assert llm.engine.num_preemptions > 0
+
+
+def test_prefix_cache_blocks_hold_the_image_hash(vl):
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path)
+    kv = llm.engine.scheduler.kv
+    # The same text with another image shares no block (the first block holds the image's start).
+    other = prompter.encode(f"w5 w7 {P} w9 w11 w13 w2", [image(64, 64, 9)])
+    assert other[0] == prompts[0][0]
+    other_refs = (hf_logprobs(model, *other), *hf_greedy(model, *other, NEW))
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
+    llm.generate([prompts[0][0]], sp, use_tqdm=False, images=[prompts[0][1]])
+    hits = kv.num_hit_tokens
+    out = llm.generate([other[0]], sp, use_tqdm=False, images=[other[1]])
+    assert kv.num_hit_tokens == hits
+    assert out[0].outputs[0].token_ids == other_refs[1]
+    # The same image again: its blocks are found, and the tokens are still transformers'.
+    out = llm.generate([prompts[0][0]], sp, use_tqdm=False, images=[prompts[0][1]])
+    assert kv.num_hit_tokens > hits
+    assert out[0].outputs[0].token_ids == refs[0][1]
+    got = torch.tensor([out[0].outputs[0].logprobs[j][t] for j, t in enumerate(refs[0][1])])
+    assert float((got - refs[0][2]).abs().max()) < TOL
+
+
+def test_qwen3_5_with_its_vision_tower_matches_transformers(tmp_path):
+    model = make_qwen3_5_vl_model(tmp_path)
+    prompter = ImagePrompter.for_model(tmp_path)
+    prompts = [prompter.encode(f"w5 w7 {P} w9 w11 w13 w2", [image(64, 64, 1)]),
+               prompter.encode(f"w5 w8 {P} w9 w11 {P} w3 w4", [image(32, 32, 2), image(48, 64, 3)])]
+    refs = [(hf_logprobs(model, ids, ims), *hf_greedy(model, ids, ims, NEW)) for ids, ims in prompts]
+    llm = engine(tmp_path, num_kv_blocks=12)  # chunks of 8 cut the images; few blocks preempt
+    diff = check(run(llm, prompts), prompts, refs)
+    print(f"qwen3.5 with images max |d logprob| {diff:.2e}")
+    assert diff < TOL
+    assert llm.engine.num_preemptions > 0
