@@ -645,6 +645,15 @@ __attribute__((target(ISA_256))) static void q6k_one_avx2(const uint8_t *g0, int
     }
 }
 
+/* v, held in a register as it is: each row's running sum passes through it after every add, so gcc
+ * cannot regroup a chunk's sums (all 8 x MR maddubs first, then the adds: its reassociation did so,
+ * and the 32 products of 4 rows spilled to the stack with the rows' float sums). Integer adds
+ * (wrapping), so any grouping gives the same bits. */
+__attribute__((target(ISA_256), always_inline)) static inline __m256i keep256(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* Q4_K and Q6_K with 2-4 activation rows a pass on AVX2 (prompt chunks): packed8_avx2_of's products
  * for those rows, op for op (the same bits), with each level vector decoded (or loaded) once and
  * multiplied into every row before the next, so the sums of all rows stay in the 16 registers.
@@ -653,8 +662,7 @@ __attribute__((target(ISA_256))) static void q6k_one_avx2(const uint8_t *g0, int
 __attribute__((target(ISA_256), always_inline)) static inline void q4k_rows_chunk(const uint8_t *rec, const int h,
                                                                                    const int c, const xrows_t *x,
                                                                                    int64_t m0, const int MR, int64_t blk,
-                                                                                   __m256 D, __m256 DMIN, __m256 *acc,
-                                                                                   __m256 *o) {
+                                                                                   __m256 D, __m256 *acc) {
     const int64_t K = x->K;
     const uint8_t *q = rec + 32 * h + 64 * 8 * (c / 2);
     const int8_t *xq = x->q + m0 * K + 32 * blk;
@@ -665,26 +673,37 @@ __attribute__((target(ISA_256), always_inline)) static inline void q4k_rows_chun
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * L));
         const __m256i v = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
         for (int r = 0; r < MR; r++)
-            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + r * K + 4 * L))));
+            s16[r] = keep256(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + r * K + 4 * L)))));
     }
     const uint8_t *u = rec + u_at(QT_Q4_K) + 32 * h;
-    const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 64)),
-                  u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
     const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), ff = _mm256_set1_epi32(0xff);
     const __m256i sc = c < 4 ? _mm256_and_si256(u0, m6)
                              : _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30));
-    const __m256i mn = c < 4 ? _mm256_and_si256(u1, m6)
-                             : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30));
     const __m256 fs = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc, 8 * (c % 4)), ff));
-    const __m256 fm = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn, 8 * (c % 4)), ff));
-    const __m256 A = _mm256_mul_ps(D, fs), B = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), _mm256_set1_ps(-0.f));
+    const __m256 A = _mm256_mul_ps(D, fs);
     for (int r = 0; r < MR; r++) {
         const int64_t m = m0 + r;
         const __m256i s = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(A, _mm256_set1_ps(x->dx[m * x->nb + blk])), acc[r]);
-        o[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[m * x->ng + blk]), o[r]);
     }
+}
+
+/* Chunk c's mins term into o, MR rows: -(dmin * m) times each row's scaled sum of the chunk's
+ * levels, in its own pass over the group (q4k_rows_of), so the level pass keeps its sums in registers. */
+__attribute__((target(ISA_256), always_inline)) static inline void q4k_rows_mins(const uint8_t *rec, const int h,
+                                                                                  const int c, const xrows_t *x,
+                                                                                  int64_t m0, const int MR, int64_t blk,
+                                                                                  __m256 DMIN, __m256 *o) {
+    const uint8_t *u = rec + u_at(QT_Q4_K) + 32 * h;
+    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(u + 64)), u2 = _mm256_loadu_si256((const __m256i *)(u + 128));
+    const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), ff = _mm256_set1_epi32(0xff);
+    const __m256i mn = c < 4 ? _mm256_and_si256(u1, m6)
+                             : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30));
+    const __m256 fm = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn, 8 * (c % 4)), ff));
+    const __m256 B = _mm256_xor_ps(_mm256_mul_ps(DMIN, fm), _mm256_set1_ps(-0.f));
+    for (int r = 0; r < MR; r++) o[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(x->xsum[(m0 + r) * x->ng + blk]), o[r]);
 }
 
 /* MR rows over a Q4_K group, lanes 8h..8h+7 a pass (as packed8_avx2_of with several rows). */
@@ -699,10 +718,16 @@ __attribute__((target(ISA_256), always_inline)) static inline void q4k_rows_of(c
             const uint8_t *rec = g0 + e * RB;
             if (ahead && h == 0) prefetch_ahead(rec, RB, QT_Q4_K);
             const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(QT_Q4_K) + 16 * h)));
-            const __m256 DMIN = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(QT_Q4_K) + 16 * h)));
-#define Q4K_ROWS(c) q4k_rows_chunk(rec, h, c, x, m0, MR, 8 * e + c, D, DMIN, acc, o)
+#define Q4K_ROWS(c) q4k_rows_chunk(rec, h, c, x, m0, MR, 8 * e + c, D, acc)
             Q4K_ROWS(0); Q4K_ROWS(1); Q4K_ROWS(2); Q4K_ROWS(3); Q4K_ROWS(4); Q4K_ROWS(5); Q4K_ROWS(6); Q4K_ROWS(7);
 #undef Q4K_ROWS
+        }
+        for (int64_t e = 0; e < nrec; e++) { /* the mins' terms, in the same order, from L1 / L2 */
+            const uint8_t *rec = g0 + e * RB;
+            const __m256 DMIN = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + m_at(QT_Q4_K) + 16 * h)));
+#define Q4K_MINS(c) q4k_rows_mins(rec, h, c, x, m0, MR, 8 * e + c, DMIN, o)
+            Q4K_MINS(0); Q4K_MINS(1); Q4K_MINS(2); Q4K_MINS(3); Q4K_MINS(4); Q4K_MINS(5); Q4K_MINS(6); Q4K_MINS(7);
+#undef Q4K_MINS
         }
         const int cols = nr - 8 * h < 8 ? nr - 8 * h : 8;
         for (int r = 0; r < MR; r++) {
@@ -737,7 +762,7 @@ __attribute__((target(ISA_256), always_inline)) static inline void q6k_rows_chun
                                      : q6k_level(_mm256_loadu_si256((const __m256i *)(ql + 64 * L)),
                                                  _mm256_loadu_si256((const __m256i *)(qh + 64 * L)), c % 4);
                 for (int r = 0; r < MR; r++)
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + r * K + 4 * L))));
+                    s16[r] = keep256(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(dword_at(xq + r * K + 4 * L)))));
             }
             for (int r = 0; r < MR; r++) {
                 const __m256i t = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
