@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ferry.bench.bandwidth import read_bandwidth
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import QuantWeight, RowStack, dequantize, quant_linear
 
@@ -39,11 +40,14 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
 
 
 def machine_bounds(threads: int) -> dict[str, float]:
-    """DRAM read bandwidth (GB/s, a 1 GiB sum) and the float32 FMA peak (GFLOP/s, a large
-    product), both measured now with ``threads`` threads."""
-    big = torch.ones(2**28)
-    bw = big.numel() * 4 / _time(lambda: big.sum(), 3) / 1e9
-    del big
+    """DRAM read bandwidth (GB/s: the decode's probe, ``ferry.bench.bandwidth``; a 1 GiB sum
+    without the kernels) and the float32 FMA peak (GFLOP/s, a large product), both measured now
+    with ``threads`` threads."""
+    bw = read_bandwidth() / 1e9
+    if not bw:
+        big = torch.ones(2**28)
+        bw = big.numel() * 4 / _time(lambda: big.sum(), 3) / 1e9
+        del big
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     peak = 2 * 1024**3 / _time(lambda: torch.mm(a, b), 5) / 1e9
     return {"dram_gb_s": bw, "fma_gflop_s": peak, "int8_gmac_s": int8_peak(), "threads": threads}

@@ -63,11 +63,15 @@ def _token_ids(r: CachedRequest, c: ScheduledChunk) -> list[int]:
     return known + c.spec_token_ids if c.spec_token_ids else known
 
 
+def row_groups(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+    """The chunks as their rows are packed: the decode chunks first (``ScheduledChunk.decode``: the
+    attention runs them as one-token queries), then the prefill chunks."""
+    return [c for c in chunks if c.decode], [c for c in chunks if not c.decode]
+
+
 def pack(chunks: list[ScheduledChunk], states: RequestStates, block_size: int,
          state_copies: list[tuple[int, int]] | None = None) -> PackedBatch:
-    # Decode rows first (``ScheduledChunk.decode``): the attention runs them as one-token queries.
-    decodes = [c for c in chunks if c.decode]
-    prefills = [c for c in chunks if not c.decode]
+    decodes, prefills = row_groups(chunks)
     ordered = decodes + prefills
     reqs = {c.request_id: states[c.request_id] for c in chunks}
 

@@ -26,13 +26,14 @@ from ferry.config import EngineConfig
 from ferry.core.outputs import ScheduledChunk, SchedulerOutput
 from ferry.core.sampling_params import SamplingParams
 from ferry.executor.batch import pack
+from ferry.executor.kv_tensors import allocate, block_bytes, kv_groups
 from ferry.executor.request_state import RequestStates
-from ferry.executor.sampler import _filter, greedy_tokens
+from ferry.executor.sampler import greedy_tokens, sampling_probs
 from ferry.model.config import ModelConfig
 from ferry.model.decoder import DecoderModel
-from ferry.model.kv_format import cache_dtype, row_width
+from ferry.model.kv_format import cache_dtype
 from ferry.model.loader import DTYPES, load_weights
-from ferry.model.quant import QuantWeight
+from ferry.model.quant import uses_q8
 
 # A verify chunk's catch-up of at most this many tokens runs as decode rows (usually 1 or 2 tokens).
 CATCH_UP_DECODE_ROWS = 8
@@ -105,13 +106,13 @@ class DraftModel:
                              f"positions, fewer than max_model_len ({max_model_len}): lower max_model_len")
         dtype = DTYPES[setup.dtype_name]
         weights = load_weights(setup.config, cfg, setup.model_dir)
-        q8 = any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
+        q8 = uses_q8(weights)
         self.model = DecoderModel(cfg, weights, dtype, max_model_len, device)
         del weights
         self.cfg = cfg
         self.device = device
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, dtype, q8)
-        self.width = row_width(cfg.head_dim, self.kv_dtype)
+        self.groups = kv_groups(cfg)  # one group: the checks above
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = config.block_size
         # Per request: how many leading positions of the draft's KV hold the request's true tokens.
@@ -120,17 +121,11 @@ class DraftModel:
 
     def bytes_per_block(self, block_size: int) -> int:
         """What one KV block costs the draft (added to the target's when the cache is sized)."""
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * len(self.cfg.attention_layers) * block_size * self.cfg.num_kv_heads * self.width * elem
+        return block_bytes(self.groups, block_size, self.kv_dtype)
 
     def allocate(self, num_blocks: int, zeros: Any) -> None:
         """The draft's KV layers over the target's ``num_blocks`` blocks (``zeros(shape, dtype)``)."""
-        layers = self.cfg.attention_layers
-        cache = zeros((max(1, len(layers)), 2, num_blocks * self.block_size, self.cfg.num_kv_heads, self.width),
-                      self.kv_dtype)
-        self.kv_caches = [None] * self.cfg.num_layers  # type: ignore[list-item]
-        for j, i in enumerate(layers):
-            self.kv_caches[i] = (cache[j, 0], cache[j, 1])
+        self.kv_caches = allocate(self.cfg.num_layers, self.groups, num_blocks * self.block_size, self.kv_dtype, zeros)
 
     # ------------------------------------------------------------------ one step
     def propose(self, out: SchedulerOutput, states: RequestStates) -> dict[str, torch.Tensor]:
@@ -216,7 +211,7 @@ class DraftModel:
         distribution under the request's temperature and filters (kept in ``dists``)."""
         if sp.greedy:
             return greedy_tokens(logits[None])[0]
-        probs = _filter(torch.softmax(logits.float() / sp.temperature, dim=-1), sp.top_k, sp.top_p, sp.min_p)
+        probs = sampling_probs(logits.float(), sp)
         probs = probs / probs.sum()
         dists.append(probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ferry.core.outputs import SchedulerOutput
-from ferry.executor.batch import PackedBatch
+from ferry.executor.batch import PackedBatch, row_groups
 from ferry.executor.request_state import RequestStates
 from ferry.model.layers.vision import VisionOutput
 from ferry.model.multimodal import ImageEncoder, ImageRows, RequestPositions
@@ -44,8 +44,9 @@ class ImageSteps:
 
     def rows(self, out: SchedulerOutput, batch: PackedBatch, states: RequestStates) -> ImageRows | None:
         """The step's image rows; shifts the packed positions of requests with images (rows in
-        ``pack``'s order: decodes first, then prefill chunks)."""
-        ordered = [c for c in out.chunks if c.decode] + [c for c in out.chunks if not c.decode]
+        ``pack``'s order)."""
+        decodes, prefills = row_groups(out.chunks)
+        ordered = decodes + prefills
         if not any(states[c.request_id].images for c in ordered):
             return None
         rows: list[int] = []

@@ -14,6 +14,7 @@ from ferry.core.sampling_params import SamplingParams
 from ferry.executor.base import Executor, StepTimer, no_tick
 from ferry.executor.batch import PackedBatch, pack
 from ferry.executor.draft import DraftModel
+from ferry.executor.kv_tensors import allocate, block_bytes, kv_groups
 from ferry.executor.images import ImageSteps
 from ferry.executor.request_state import RequestStates
 from ferry.executor.pooling import pool
@@ -21,12 +22,12 @@ from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, release_freed_memory, resolve_device
-from ferry.model.kv_format import cache_dtype, row_width
+from ferry.model.kv_format import cache_dtype
 from ferry.model.decoder import DecoderModel, ForwardOutput
 from ferry.model.multimodal import ImageEncoder
 from ferry.model.tensor_parallel import Collectives, ShardPlan
 from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
-from ferry.model.quant import QuantWeight
+from ferry.model.quant import uses_q8
 from ferry.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,15 +50,6 @@ def state_slots(config: EngineConfig, state_bytes: int) -> int:
         return config.num_state_slots
     fit = int(config.kv_cache_memory_gb * 2**30 / 2 // state_bytes)
     return max(1, min(2 * config.max_num_seqs, fit))
-
-
-def kv_groups(cfg: ModelConfig) -> dict[tuple[int, int], list[int]]:
-    """The attention layers that keep K/V of their own, by their cache's (KV heads, head size): one
-    group but where layers differ (Gemma 4's global layers); one empty group where none keeps K/V."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in cfg.kv_cache_layers:
-        groups.setdefault(cfg.kv_heads(i), []).append(i)
-    return groups or {(cfg.num_kv_heads, cfg.head_dim): []}
 
 
 def copy_states(caches: list[dict[str, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
@@ -135,7 +127,7 @@ class ModelExecutor(Executor):
         plan = ShardPlan.make(cfg, rank, world)
         comm = collectives(plan, cfg.vocab_size) if collectives is not None else None
         weights = load_weights(config, cfg, setup.model_dir)
-        q8 = any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
+        q8 = uses_q8(weights)
         self.model = DecoderModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
         # An image model's vision tower, its encoder cache and rope positions (None: a text model).
         encoder = ImageEncoder.load(setup.model_dir, cfg.architecture, dtype, self.device)
@@ -157,8 +149,7 @@ class ModelExecutor(Executor):
         # Every rank has the same number of blocks (one scheduler, one block table), sized for the
         # rank holding the most KV heads. Only attention layers keep K/V, by their cache's shape.
         groups = kv_groups(cfg)
-        bytes_per_block = max(1, sum(2 * len(layers) * config.block_size * (plan.max_kv_heads if world > 1 else heads)
-                                     * row_width(hd, kv_dtype) * elem for (heads, hd), layers in groups.items()))
+        bytes_per_block = block_bytes(groups, config.block_size, kv_dtype, plan.max_kv_heads if world > 1 else None)
         # A draft model's KV layers live in the same blocks: each block costs both models' bytes.
         self.draft = DraftModel(config, cfg, self.tokenizer, self.max_model_len, self.device, config.seed) \
             if config.draft_model is not None else None
@@ -193,13 +184,8 @@ class ModelExecutor(Executor):
         zeros = lazy_zeros if self.device.type == "cpu" else \
             (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device))
         # Per layer: (K, V) of an attention layer, the state tensors of a recurrent one.
-        self.kv_caches: list[Any] = [None] * cfg.num_layers
-        for (heads, hd), layers in groups.items():
-            # The last dimension holds a head's values (row_width: in the cache's format).
-            cache = zeros((max(1, len(layers)), 2, slots, plan.num_kv_heads if world > 1 else heads,
-                           row_width(hd, kv_dtype)), kv_dtype)
-            for j, i in enumerate(layers):
-                self.kv_caches[i] = (cache[j, 0], cache[j, 1])
+        self.kv_caches: list[Any] = allocate(cfg.num_layers, groups, slots, kv_dtype, zeros,
+                                             plan.num_kv_heads if world > 1 else None)
         for i in cfg.attention_layers:  # a layer sharing another's K/V (Gemma 4) holds that layer's cache
             if cfg.layers[i].attention.kv_source is not None:
                 self.kv_caches[i] = self.kv_caches[cfg.layers[i].attention.kv_source]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.core.outputs import ScheduledChunk
+from ferry.core.sampling_params import SamplingParams
 from ferry.executor.request_state import CachedRequest
 from ferry.executor.structured import GrammarCompiler, RequestGrammar
 
@@ -53,6 +54,12 @@ def _filter(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torc
     if min_p > 0.0:
         probs = torch.where(probs < min_p * probs.max(), 0.0, probs)
     return probs
+
+
+def sampling_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from (one row): softmax at its temperature, then
+    its top_k, top_p and min_p filters (not renormalised)."""
+    return _filter(torch.softmax(logits / sp.temperature, dim=-1), sp.top_k, sp.top_p, sp.min_p)
 
 
 class Sampler:
@@ -173,8 +180,7 @@ class Sampler:
             sp = r.sampling_params
             if sp.greedy or r.request_id in draft_dists:
                 continue
-            probs = torch.softmax(logits[i] / sp.temperature, dim=-1)
-            probs = _filter(probs, sp.top_k, sp.top_p, sp.min_p)
+            probs = sampling_probs(logits[i], sp)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
             e = torch.empty_like(probs).exponential_(generator=self._generator(r, k))
             tokens[i] = int((probs / e).argmax())
@@ -187,8 +193,7 @@ class Sampler:
             q = draft_dists.get(r.request_id)
             if q is not None and c.spec_token_ids:
                 sp = r.sampling_params
-                p = torch.stack([_filter(torch.softmax(logits[row + j] / sp.temperature, dim=-1),
-                                         sp.top_k, sp.top_p, sp.min_p) for j in range(c.num_sampling_rows)])
+                p = torch.stack([sampling_probs(logits[row + j], sp) for j in range(c.num_sampling_rows)])
                 accepted = rejection_sample(p / p.sum(-1, keepdim=True), q.to(p.device), c.spec_token_ids,
                                             self._generator(r, r.num_output_tokens))
             else:

@@ -69,9 +69,11 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
     return unfuse(load_safetensors(model_dir, cfg.arch.skip_prefixes), cfg)
 
 
-def load_safetensors(model_dir: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def load_safetensors(model_dir: Path, skip: tuple[str, ...] = (), only: tuple[str, ...] = ()
+                     ) -> dict[str, torch.Tensor]:
     """The tensors of a (possibly sharded) safetensors checkpoint, but those whose names start with
-    one of ``skip`` (parts of the checkpoint the model does not run, e.g. a vision tower)."""
+    one of ``skip`` (parts of the checkpoint the model does not run, e.g. a vision tower) and, when
+    ``only`` is given, those whose names start with none of ``only``."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
@@ -87,6 +89,6 @@ def load_safetensors(model_dir: Path, skip: tuple[str, ...] = ()) -> dict[str, t
             raise FileNotFoundError(f"weight file {name!r} is missing from {str(model_dir)!r}")
         with safe_open(str(model_dir / name), framework="pt") as f:
             for key in f.keys():
-                if not key.startswith(skip) or not skip:
+                if (not skip or not key.startswith(skip)) and (not only or key.startswith(only)):
                     tensors[key] = f.get_tensor(key)
     return tensors

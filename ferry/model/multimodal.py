@@ -15,6 +15,7 @@ import torch
 from ferry.core.multimodal import ImageFeature
 from ferry.model.arch.qwen3_vl import IMAGE_ARCHITECTURES, column_axes, mrope_section, rope_positions
 from ferry.model.layers.vision import Qwen3VLVision, VisionOutput
+from ferry.model.loader import load_safetensors
 
 
 @dataclass
@@ -76,7 +77,7 @@ class ImageEncoder:
         if architecture not in IMAGE_ARCHITECTURES:
             return None
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        return cls(config, _tensors_under(Path(model_dir), "model.visual."), dtype, device)
+        return cls(config, load_safetensors(Path(model_dir), only=("model.visual.",)), dtype, device)
 
     def encode(self, image: ImageFeature) -> VisionOutput:
         """One image's rows (its ``data``: the image processor's pixel_values and image_grid_thw)."""
@@ -92,22 +93,3 @@ class ImageEncoder:
         end = images[-1].end if images else 0
         axes, delta = rope_positions(end, spans, self.merge)
         return RequestPositions(torch.tensor(axes, dtype=torch.long).reshape(3, -1), delta)
-
-
-def _tensors_under(model_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors whose names start with ``prefix`` (the language model's are not read again)."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({f for k, f in weight_map.items() if k.startswith(prefix)})
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(model_dir / name), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(prefix):
-                    out[key] = f.get_tensor(key)
-    return out

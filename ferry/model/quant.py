@@ -269,6 +269,12 @@ def set_activations(weights: dict, mode: str) -> None:
             w.activations = mode
 
 
+def uses_q8(weights: dict) -> bool:
+    """Whether any quantized weight of ``weights`` runs with int8 activations (the KV cache then
+    defaults to float16)."""
+    return any(isinstance(w, QuantWeight) and w.activations == "q8" for w in weights.values())
+
+
 def q8_isa(name: str | None = None) -> str:
     """The q8 kernels' instruction-set variant in use; ``name`` (one of Q8_ISAS) switches to it,
     a ValueError when this CPU lacks it."""

@@ -31,19 +31,6 @@ from ferry.server.tools.spec import (ToolSpec, call_tags, check_schemas, check_t
 router = APIRouter(route_class=BoundedJSONRoute)
 
 
-def text_content(content: str | list[dict] | None, param: str = "messages") -> str:
-    """A message's text: a string, or a list of text parts (other part types are a 400)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for part in content:
-        if part.get("type") not in ("text", "input_text", "output_text"):
-            raise APIError(400, f"{param}: content of type {part.get('type')!r} is not supported (text only)",
-                           param=param)
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
-
-
 def conversation_of(messages: list[Any]) -> list[dict[str, Any]]:
     """The conversation the chat template renders, from request messages (models or dicts): a
     message's content its text, or with images its text and image parts (``ferry.multimodal.parts``)."""

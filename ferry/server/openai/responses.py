@@ -20,7 +20,7 @@ from ferry.server.context import ServerContext, context, model_context
 from ferry.server.errors import APIError
 from ferry.server.generation import StreamFailed, Usage, collect, deltas, sse, usage_of
 from ferry.server.json_body import BoundedJSONRoute
-from ferry.server.openai.chat import ChoiceText, chat_prompt, text_content, tool_overrides, tool_parser
+from ferry.server.openai.chat import ChoiceText, chat_prompt, tool_overrides, tool_parser
 from ferry.server.protocol import ChatCompletionRequest, Number, TextRequest
 
 router = APIRouter(route_class=BoundedJSONRoute)
@@ -58,7 +58,7 @@ _IMAGE_PARTS = ("input_image", "image_url")
 
 def _text(content: Any, param: str) -> str | list[dict[str, Any]]:
     """A message item's content as text: a string, or a list of text parts (a 400 naming ``param``
-    for anything else, which chat's ``text_content`` would take for parts and fail on). Content
+    for anything else, which ``message_content`` would take for parts and fail on). Content
     with images stays a list of its text and image parts, as sent (chat's ``message_content``
     checks and loads them when the prompt is made)."""
     if isinstance(content, list):
@@ -73,7 +73,10 @@ def _text(content: Any, param: str) -> str | list[dict[str, Any]]:
                        param=param)
     if isinstance(content, list) and any(part.get("type") in _IMAGE_PARTS for part in content):
         return [{"type": "input_text", "text": p["text"]} if p.get("type") in _TEXT_PARTS else p for p in content]
-    return text_content(content, param)
+    try:
+        return message_content(content, param, None)  # text parts only here: their text
+    except ImageError as e:
+        raise APIError(400, e.message, param=e.field) from None
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str | None:
