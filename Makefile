@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ferry-installed
 # Chromium for the browser tests (dashboard, chat page): `make test` installs it, `make demo` and `make test-fast` do not.
 BROWSER_STAMP := $(VENV)/.ferry-browser
+# llama.cpp's converter and gguf-py, for the tests that read the GGUF files it writes (no build).
+LLAMA_CPP_SRC := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 # The tiers `make test-fast` leaves out (tests/conftest.py says which files carry each marker).
 SLOW_TIERS := browser or distributed or kernel_build or server or model
 
@@ -40,7 +42,10 @@ serve: setup
 experiments: setup
 	$(BIN)/ferry bench batching-report --out docs/batching-report
 
-test: setup $(BROWSER_STAMP)
+$(LLAMA_CPP_SRC): $(STAMP) scripts/fetch_llama_cpp.py
+	$(BIN)/python scripts/fetch_llama_cpp.py $(VENV)/llama.cpp
+
+test: setup $(BROWSER_STAMP) $(LLAMA_CPP_SRC)
 	$(BIN)/python -m pytest -q
 
 # Everything but the slow tiers (browser, distributed, kernel builds, HTTP server, seconds-long model runs):

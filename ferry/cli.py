@@ -40,7 +40,16 @@ ENGINE_HELP = {
                           "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' drafts with a smaller model of the "
                           "same vocabulary (a directory, .gguf or Hugging Face name; its KV shares the target's "
                           "blocks and --kv-cache-memory-gb). Optional: disable_by_batch_size (no drafts from that "
-                          "many running requests)",
+                          "many running requests); adaptive_k: true (each step, each request drafts 0 to "
+                          "num_speculative_tokens tokens, as many as maximise expected tokens per unit of step "
+                          "time from its measured acceptance rate; drafting stops where the batch is large), "
+                          "with step_cost {\"target\": [[rows, time], ...], \"draft\": [...], \"verify\": [...]} "
+                          "(measured step times the rule reads; defaults measured on a 2-core CPU). method \"mtp\": the model's own "
+                          "MTP head drafts (Qwen3.5's mtp.* tensors; for a GGUF model, name llama.cpp's --mtp GGUF "
+                          "as model)",
+    "mmproj": "an image model's vision tower as llama.cpp's mmproj GGUF (convert_hf_to_gguf.py --mmproj), "
+              "for a text GGUF --model (as llama-server's --mmproj). Default: the one mmproj-*.gguf beside the "
+              "model file, when there is exactly one (or one whose name matches it)",
     "max_num_encoder_tokens": "image models: a step's vision-encoder budget in image tokens; a prompt chunk "
                               "that would start an image whose encoding does not fit what is left ends before "
                               "it (an image larger than the budget runs alone). Default: --max-num-batched-tokens",

@@ -7,7 +7,7 @@ from typing import Any
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,17 @@ class SpeculativeConfig:
     vocabulary (a directory, .gguf or Hugging Face name, as ``EngineConfig.model``) runs
     ``num_speculative_tokens`` steps to propose them; its KV lives in the same blocks as the
     target's (one block table, the memory budget shared).
+    ``mtp``: the target's own multi-token prediction head (Qwen3.5's ``mtp.*`` tensors, or
+    llama.cpp's MTP GGUF named by ``model``; ``ferry.executor.mtp``), applied recursively for
+    ``num_speculative_tokens`` drafts; a verify that rejects a draft is computed again from its
+    start (a recurrent state is not rewound past a token).
     ``disable_by_batch_size``: no drafts while this many requests or more are running (a
     verify step of many rows costs its compute; speculation pays where a step is bound by
-    reading the weights, i.e. small batches)."""
+    reading the weights, i.e. small batches).
+    ``adaptive_k``: each step, each decoding request drafts 0 to ``num_speculative_tokens``
+    tokens, as many as maximise the step's expected tokens per unit of step time, from the
+    request's measured acceptance rate and ``step_cost`` (``ferry.core.spec_k``: the rule, and the
+    cost model's fields); speculation turns itself off where a batch is large enough."""
 
     method: str | None = None  # None: "draft_model" when model is given, else "ngram"
     num_speculative_tokens: int = 3
@@ -29,6 +37,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
     model: str | None = None
+    adaptive_k: bool = False
+    step_cost: Any = None  # a dict of ferry.core.spec_k.StepCost's fields; None: its defaults
 
     def __post_init__(self) -> None:
         if self.method is None:  # frozen: the resolved method is set once here
@@ -36,15 +46,20 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
-        if (self.method == "draft_model") != (self.model is not None):
+        if (self.method == "draft_model" and self.model is None) or (self.method == "ngram" and self.model is not None):
             raise ValueError("speculative_config.model names the draft model: it is needed for method "
-                             f"'draft_model' and only for it (method {self.method!r}, model {self.model!r})")
+                             f"'draft_model' and not taken by 'ngram' (method {self.method!r}, model {self.model!r})")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is None and name == "disable_by_batch_size":
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.adaptive_k, bool):
+            raise ValueError(f"speculative_config.adaptive_k must be true or false, got {self.adaptive_k!r}")
+        from ferry.core.spec_k import StepCost  # pure; checks the cost model's fields
+
+        object.__setattr__(self, "step_cost", StepCost.parse(self.step_cost, drafts_free=self.method == "ngram"))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be "
                              f"<= prompt_lookup_max ({self.prompt_lookup_max})")
@@ -82,6 +97,9 @@ class EngineConfig:
     # A directory, a .gguf file, or a Hugging Face name ORG/NAME[:QUANT] (ferry.model.hub resolves
     # it from the Hugging Face cache, or downloads it). None: the embedded SmolLM2-135M-Instruct.
     model: str | None = None
+    # An image model's vision tower as llama.cpp's --mmproj GGUF, beside a text GGUF ``model``
+    # (llama-server's flag). None: the one mmproj-*.gguf beside the model file, if unambiguous.
+    mmproj: str | None = None
     load_format: str = "auto"  # "auto" | "dummy"
     # "auto": float32 on the CPU, bfloat16 on CUDA (float16 where bfloat16 is not supported).
     dtype: str = "auto"
@@ -195,6 +213,9 @@ class EngineConfig:
         check(0 < self.max_grammar_compile_seconds < float("inf"), "max_grammar_compile_seconds", "> 0")
         self._check_policies(check)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'mtp' runs on one rank: tensor_parallel_size must be 1")
         if self.draft_model is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config with a draft model runs on one rank: "
                              "tensor_parallel_size must be 1")

@@ -27,7 +27,8 @@ TIERS: dict[str, tuple[str, ...]] = {
                      "test_quant.py::test_kernels_built_for_avx2_only_give_the_same_products"),
     # the HTTP server: a `ferry serve` subprocess (tests/test_server.py's server(),
     # test_server_hardening.py's logged_server()), or the app on a thread (serve_in_thread)
-    "server": ("test_server.py", "test_server_hardening.py", "test_server_robustness.py",
+    "server": ("test_server_image_families.py",
+               "test_server.py", "test_server_hardening.py", "test_server_robustness.py",
                "test_server_structured.py", "test_server_grammar_hardening.py",
                "test_server_responses_hardening.py", "test_server_templates_tools.py",
                "test_tool_call_recovery.py", "test_dashboard.py", "test_chat_page.py",
@@ -37,8 +38,9 @@ TIERS: dict[str, tuple[str, ...]] = {
                "test_tool_parser_qwen_xml.py::test_chat_route_takes_a_required_call_with_this_parser"),
     # seconds of generation with a real model (the embedded SmolLM2, tiny transformers models): parity
     # and invariance sweeps, and the ferry commands run as a subprocess
-    "model": ("test_architectures.py", "test_batching_invariance.py", "test_hf_parity.py", "test_kv_cache_dtypes.py",
-              "test_spec_decode.py", "test_structured.py", "test_toy_architecture.py",
+    "model": ("test_gemma3_gguf.py", "test_smolvlm_gguf.py", "test_qwen3_vl_gguf.py",
+              "test_architectures.py", "test_batching_invariance.py", "test_hf_parity.py", "test_kv_cache_dtypes.py",
+              "test_spec_decode.py", "test_structured.py", "test_toy_architecture.py", "test_hybrid_llama_cpp.py",
               "test_bench.py::test_bench_offline_and_online_write_json_and_plots",
               "test_bench.py::test_bench_sweep_marks_the_best_configuration_within_the_slo",
               "test_bench.py::test_bench_input_errors_are_messages",

@@ -111,15 +111,21 @@ def assert_part_matches(hf_layer, inputs: list[torch.Tensor], got: list[torch.Te
 
 # ---------------------------------------------------------------- the whole decoder, stepped by hand
 def decoder_logits(model_dir, weights, prompts: list[list[int]], schedule: Schedule, use_kernel: bool = True,
-                   state: Callable[..., torch.Tensor] = torch.zeros) -> list[torch.Tensor]:
+                   state: Callable[..., torch.Tensor] = torch.zeros, fused: bool = False) -> list[torch.Tensor]:
     """Every prompt position's logits from ferry's DecoderModel, driven over ``schedule`` with KV
     caches of zeros and state caches made by ``state`` (what the engine's plumbing does); without
-    ``use_kernel`` decode-only steps skip the fused C decode."""
+    ``use_kernel`` decode-only steps skip the fused C decode. ``fused``: assert that its decode-only
+    steps ran in the fused C decode."""
     from ferry.model.decoder import DecoderModel
 
     cfg = ModelConfig.from_dir(model_dir)
     model = DecoderModel(cfg, weights, torch.float32, 256)
     model.use_kernel = model.use_kernel and use_kernel
+    runs = []
+    if fused:
+        assert model.fused is not None, "no fused C decode for this model"
+        fused_run = model.fused.run
+        model.fused.run = lambda *a, **k: runs.append(1) or fused_run(*a, **k)
     hkv, hd, kv_slots = cfg.num_kv_heads, cfg.head_dim, 4 * schedule.block
     caches = [{n: state(4, *s) for n, s in cfg.state_shapes(i).items()} if i in cfg.recurrent_layers
               else (torch.zeros(kv_slots, hkv, hd), torch.zeros(kv_slots, hkv, hd)) for i in range(cfg.num_layers)]
@@ -127,7 +133,9 @@ def decoder_logits(model_dir, weights, prompts: list[list[int]], schedule: Sched
     def run(x, positions, meta):
         return model.forward(x, positions, meta, caches, torch.arange(x.shape[0])).logits
 
-    return schedule.stepped(run, [torch.tensor(p) for p in prompts])
+    out = schedule.stepped(run, [torch.tensor(p) for p in prompts])
+    assert runs or not fused, "the decode-only steps did not run in the fused C decode"
+    return out
 
 
 def decoder_diff(model_dir, weights, model, prompts: list[list[int]], schedule: Schedule, **kw) -> float:

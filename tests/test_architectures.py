@@ -71,7 +71,7 @@ BLOCKS = {"mistral": 40}  # room for the prefix cache to keep what the window pa
 NO_PREEMPTION = {"mistral"}
 # The architectures the fused C decode serves (the others decode through torch).
 FUSED = {"llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn", "qwen2", "qwen3", "mistral", "gemma3", "phi3",
-         "smollm3"}
+         "smollm3", "qwen3-moe", "gpt-oss"}
 
 
 def test_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):

@@ -15,7 +15,8 @@ def as_cache(x: torch.Tensor, kv_dtype) -> torch.Tensor:
     return quantize_q8_0(x) if kv_dtype == "q8_0" else x.to(kv_dtype)
 
 
-SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 40), (6, 2, 96)]
+# (8, 1, 512): Gemma 4 E2B's global layers, eight query heads on one KV head of 512.
+SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 40), (6, 2, 96), (8, 1, 512)]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -3,7 +3,7 @@ layers (their own head sizes, the global ones' partial "proportional" rope), per
 embeddings, layer scalars, double-wide MLPs and the last two layers reading the K/V of earlier ones;
 prompt logprobs and greedy tokens with chunked prefill across the window, block size 4, preemption
 and prefix caching. Also its KV cache (no blocks for the sharing layers), random weights and the
-mixture-of-experts variant refused."""
+mixture-of-experts variant (each MLP plus routed experts) from safetensors and llama.cpp's GGUF."""
 from __future__ import annotations
 
 import json
@@ -18,12 +18,11 @@ import torch
 
 from ferry import LLM, SamplingParams
 from tests.arch_models import hf_greedy, hf_logprobs, random_model
+from tests.llama_cpp import LLAMA_CPP
 from tests.test_architectures import NEW, PROMPTS, engine, max_logprob_diff
 
 TOL = 1e-4
 S, F = "sliding_attention", "full_attention"
-# llama.cpp's source tree (its convert_hf_to_gguf.py and gguf-py).
-LLAMA_CPP = Path(os.environ.get("FERRY_LLAMA_CPP", "/work/peers/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
 def gemma4_config(**over):
@@ -64,7 +63,7 @@ def tiny(tmp_path_factory):
 def test_gemma4_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):
     path, model, refs, greedy = tiny
     llm = engine(str(path))
-    assert llm.engine.executor.model.fused is None  # no C ops for its parts: it decodes through torch
+    assert llm.engine.executor.model.fused is not None  # its decode steps run the C ops
     diff = max_logprob_diff(llm, refs)
     print(f"gemma4 safetensors max |d logprob| {diff:.2e}")
     assert diff < TOL
@@ -78,6 +77,29 @@ def test_gemma4_prompt_logprobs_and_greedy_tokens_match_transformers(tiny):
             got = torch.tensor([out.outputs[0].logprobs[j][g[j]] for j in range(NEW)])
             assert float((got - ref).abs().max()) < TOL
     assert llm.engine.scheduler.kv.num_hit_tokens > 0
+
+
+def test_gemma4_decodes_in_the_fused_c_path_as_in_torch(tiny, monkeypatch):
+    """Decode steps of several rows take the fused C ops (each layer's own head size, v normed, K/V
+    read from earlier layers, the per-layer input block, layer scalars) and give the tokens and
+    logprobs of the torch path."""
+    import ferry.model.decoder as decoder
+
+    path, model, refs, greedy = tiny
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=0)
+    llm = engine(str(path))
+    fused, rows = llm.engine.executor.model.fused, []
+    run = fused.run
+    monkeypatch.setattr(fused, "run", lambda x, *a, **k: (rows.append(x.shape[0]), run(x, *a, **k))[1])
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert rows and max(rows) > 1
+    monkeypatch.setattr(decoder, "FUSED_DECODE_ROWS", 0)  # every step through torch
+    torch_outs = engine(str(path)).generate(PROMPTS, sp, use_tqdm=False)
+    for out, ref, g in zip(outs, torch_outs, greedy):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids == g
+        got = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, g)])
+        want = torch.tensor([lp[t] for lp, t in zip(ref.outputs[0].logprobs, g)])
+        assert float((got - want).abs().max()) < TOL
 
 
 def test_gemma4_without_the_c_kernels_matches_transformers(tiny, monkeypatch):
@@ -140,12 +162,51 @@ def test_gemma4_dummy_weights_run(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_gemma4_mixture_of_experts_is_refused_by_name(tmp_path):
-    cfg = gemma4_config(architectures=["Gemma4ForCausalLM"]).to_dict()
-    cfg.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="enable_moe_block"):
-        LLM(model=str(tmp_path), load_format="dummy")
+def _perturb_moe(name: str, p: torch.Tensor) -> None:
+    """As _perturb, and the router's scales away from 1."""
+    _perturb(name, p)
+    if name.endswith(("router.scale", "per_expert_scale")):
+        p.uniform_(0.5, 1.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """The six layers above with enable_moe_block: each MLP plus 4 routed experts (top 2, width 32)."""
+    path = tmp_path_factory.mktemp("gemma4_moe")
+    torch.manual_seed(1)
+    model = random_model(gemma4_config(**MOE), path, _perturb_moe, buffers=True)
+    refs = [hf_logprobs(model, p) for p in PROMPTS]
+    greedy = [hf_greedy(model, p, NEW) for p in PROMPTS]
+    return path, model, refs, greedy
+
+
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+def _check_moe(llm: LLM, refs, greedy, what: str) -> None:
+    """Prompt logprobs and greedy tokens (decode steps of several rows among them) are transformers'."""
+    diff = max_logprob_diff(llm, refs)
+    print(f"gemma4 moe {what} max |d logprob| {diff:.2e}")
+    assert diff < TOL
+    assert llm.engine.num_preemptions > 0
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == greedy
+
+
+def test_gemma4_mixture_of_experts_matches_transformers(tiny_moe):
+    path, model, refs, greedy = tiny_moe
+    llm = engine(str(path))
+    assert llm.engine.executor.model_config.layers[0].mlp.kind == "gemma4_moe"
+    _check_moe(llm, refs, greedy, "safetensors")
+
+
+def test_gemma4_mixture_of_experts_dummy_weights_run(tmp_path):
+    cfg = gemma4_config(architectures=["Gemma4ForCausalLM"], **MOE).to_dict()
+    del cfg["per_layer_config"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, global_head_dim=32)))
+    llm = LLM(model=str(tmp_path), load_format="dummy", num_kv_blocks=32)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -167,11 +228,8 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
                             unk_token="<unk>").save_pretrained(str(path))
 
 
-@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="no llama.cpp source tree here")
-def test_gemma4_from_llama_cpps_f32_gguf_matches_transformers(tiny, tmp_path, monkeypatch):
-    """llama.cpp's converter writes the model as arch "gemma4" (the global layers' partial rotation as
-    rope_freqs, double-wide MLPs as per-layer widths); kept as the file's tensors and converted."""
-    model_dir, model, refs, greedy = tiny
+def convert_f32(model_dir: Path, model, tmp_path: Path) -> Path:
+    """llama.cpp's F32 GGUF of the checkpoint in ``model_dir`` (with a tokenizer it reads)."""
     path = tmp_path / "hf"
     shutil.copytree(model_dir, path)
     write_tokenizer(path, model.config.vocab_size)
@@ -179,6 +237,15 @@ def test_gemma4_from_llama_cpps_f32_gguf_matches_transformers(tiny, tmp_path, mo
     env = dict(os.environ, PYTHONPATH=str(LLAMA_CPP / "gguf-py"))
     subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(path), "--outtype", "f32",
                     "--outfile", str(gguf)], env=env, check=True, capture_output=True, timeout=300)
+    return gguf
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="no llama.cpp source tree here")
+def test_gemma4_from_llama_cpps_f32_gguf_matches_transformers(tiny, tmp_path, monkeypatch):
+    """llama.cpp's converter writes the model as arch "gemma4" (the global layers' partial rotation as
+    rope_freqs, double-wide MLPs as per-layer widths); kept as the file's tensors and converted."""
+    model_dir, model, refs, greedy = tiny
+    gguf = convert_f32(model_dir, model, tmp_path)
     monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
     for quant in ("gguf", "none"):
         llm = engine(str(gguf), quantization=quant)
@@ -186,3 +253,14 @@ def test_gemma4_from_llama_cpps_f32_gguf_matches_transformers(tiny, tmp_path, mo
         diff = max_logprob_diff(llm, refs)
         print(f"gemma4 llama.cpp f32 gguf ({quant}) max |d logprob| {diff:.2e}")
         assert diff < TOL
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file(), reason="no llama.cpp source tree here")
+def test_gemma4_mixture_of_experts_from_llama_cpps_f32_gguf(tiny_moe, tmp_path, monkeypatch):
+    """llama.cpp's converter keeps each layer's experts stacked (gate and up in one tensor), the
+    router's scale as ffn_gate_inp.scale and the per-expert scales as ffn_down_exps.scale."""
+    model_dir, model, refs, greedy = tiny_moe
+    gguf = convert_f32(model_dir, model, tmp_path)
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    for quant in ("gguf", "none"):
+        _check_moe(engine(str(gguf), quantization=quant), refs, greedy, f"llama.cpp f32 gguf ({quant})")

@@ -5,7 +5,6 @@ alike, and the chat route's ChoiceText takes them from it when the template spea
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +17,9 @@ from ferry.server.template_worker import renderer
 from ferry.server.tools.parsers import parser_for_template
 from ferry.server.tools.render import with_tools
 from ferry.server.tools.spec import tool_spec
+from tests.llama_cpp import LLAMA_CPP
 
-TEMPLATE = Path("/work/peers/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/"
-                "openai-gpt-oss-120b.jinja")
+TEMPLATE = LLAMA_CPP / "models" / "templates" / "openai-gpt-oss-120b.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
@@ -32,7 +31,7 @@ ANSWER = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|
 @pytest.fixture(scope="module")
 def template() -> str:
     if not TEMPLATE.is_file():
-        pytest.skip("llama.cpp's gpt-oss template is not here")
+        pytest.skip("llama.cpp's gpt-oss template is not here (`make test` fetches it; or set FERRY_LLAMA_CPP)")
     return TEMPLATE.read_text()
 
 

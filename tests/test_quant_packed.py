@@ -1,4 +1,5 @@
-"""Weights packed by 16 rows for the q8 products (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS;
+"""Weights packed by 16 rows for the q8 products (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
+MXFP4;
 kernels/quant_q8_packed.c): the file's bytes permuted, the same products bit for bit in every
 instruction-set variant and at every M, and what a q8 model packs."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from ferry.model.quant import QUANT_TYPES, packable, RowStack, dequantize, pack_rows16, packed, \
     quant_linear, repack, unpack_rows16
-from tests.test_quant import F16_FIELDS, each_q8_isa, random_gguf_rows, write_mixed_gguf
+from tests.test_quant import SCALE_FIELDS, each_q8_isa, random_gguf_rows, write_mixed_gguf
 
 PACKED = [t for t in QUANT_TYPES if packable(t)]
 SHAPES = {32: [(1, 32), (15, 96), (16, 64), (17, 576), (37, 544)], 256: [(1, 256), (15, 512), (17, 768), (37, 1536)]}
@@ -20,7 +21,7 @@ def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     """Random blocks, and rows whose every quant byte is at an extreme (4-bit levels 0 and 15, Q8_0's
     -128, -1 and 127; Q5's fifth bits all set or clear), against which no int16 may saturate."""
     raw = random_gguf_rows(qtype, n, k, seed).reshape(n, k // QUANT_TYPES[qtype].block, -1)
-    lo, hi = F16_FIELDS[qtype]
+    lo, hi = SCALE_FIELDS[qtype]
     for row, fill in list(enumerate((0x00, 0xFF, 0xF0, 0x0F, 0x80, 0x7F)))[:n]:
         scales = raw[row, :, lo:hi].copy()
         raw[row] = fill
@@ -29,7 +30,8 @@ def extreme_rows(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def test_the_packed_types_are_every_32_block_and_super_block_type():
-    assert PACKED == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+    assert PACKED == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                      "MXFP4"]
 
 
 @pytest.mark.parametrize("qtype,n,k", CASES)
@@ -150,3 +152,18 @@ def test_a_q8_model_packs_its_q4_layers_and_generates_as_unpacked(tmp_path, monk
     plain = LLM(model=str(path), quant_activations="q8")
     assert not plain.engine.executor.model.layers[1].mixer.o_proj.packed
     assert run(plain) == want
+
+
+def test_mxfp4_packed_products_take_every_scale_byte_as_the_file_layout_does():
+    """MXFP4's E8M0 scales, the subnormal ones (bytes 0 and 1) and those up to 2^2 among them: the
+    packed products equal the file layout's, bit for bit, in every variant."""
+    n, k = 37, 32 * 136
+    raw = random_gguf_rows("MXFP4", n, k, seed=11).reshape(n, k // 32, 17)
+    raw[..., 0] = np.arange(n * k // 32).reshape(n, k // 32) % 131  # every byte 0..130
+    w = repack(raw.reshape(n, -1), "MXFP4", (n, k))
+    w.activations = "q8"
+    p = pack_rows16(w)
+    for isa in each_q8_isa():
+        for m in (1, 3, 6):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(quant_linear(x, p), quant_linear(x, w)), (isa, m)

@@ -232,3 +232,26 @@ def test_a_text_only_model_refuses_images_naming_the_field(text_only):
     err = bad_chat(text_only, chat_parts({"url": "https://example.com/a.png"}))
     assert err["param"] == "messages[0].content[1].image_url.url" and "--enable-image-urls" in err["message"]
     assert chat(text_only, [{"role": "user", "content": "Hi"}]).choices[0].message.content
+
+
+def _metric(srv, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(srv.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_count_the_encoders_images_its_time_and_cache_hits(vl):
+    names = ("ferry:encoder_images_total", "ferry:encoder_cache_hits_total", "ferry:encoder_time_seconds_count",
+             "ferry:encoder_time_seconds_sum")
+    before = {n: _metric(vl, n) for n in names}
+    chat(vl, chat_parts({"url": data_url(png(k=21))}))  # a new image: encoded
+    twice = data_url(png(k=22))  # (png draws new noise at every call)
+    chat(vl, chat_parts({"url": twice}, {"url": twice}))  # the same image twice in one prompt: one hit
+    after = {n: _metric(vl, n) for n in names}
+    assert after["ferry:encoder_images_total"] - before["ferry:encoder_images_total"] == 2
+    assert after["ferry:encoder_cache_hits_total"] - before["ferry:encoder_cache_hits_total"] == 1
+    assert after["ferry:encoder_time_seconds_count"] - before["ferry:encoder_time_seconds_count"] == 2
+    assert after["ferry:encoder_time_seconds_sum"] > before["ferry:encoder_time_seconds_sum"]

@@ -10,6 +10,7 @@ from statistics import median
 from typing import Any, Callable
 
 from ferry.bench.batching_report import DEFAULT_MIXED
+from ferry.bench.images import with_images
 from ferry.bench.workload import LENGTH_DISTRIBUTIONS, WorkloadRequest, load_workload, synthetic_workload
 from ferry.config import EngineConfig
 
@@ -82,6 +83,7 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
     online = args.bench_command != "offline"
     engine = (factory or EngineFactory()).engine(config)
     reqs = workload_from_args(args, engine.executor.vocab_size or 32000)
+    reqs = with_images(reqs, engine.image_prompter, getattr(args, "image_size", None))
     rate = args.request_rate if online else float("inf")
     if online and rate is None and not any(r.arrival_time for r in reqs):
         print("note: the workload has no arrival_time and no --request-rate was given: all arrive at once")
@@ -120,6 +122,8 @@ def cmd_bench_run(args: argparse.Namespace, config: EngineConfig, factory: Any =
             print("\nmemory floor (one request's decode):\n" + "\n".join(lines))
     write_json(args.output_json, {**mid.to_dict(), "durations": [r.metrics.duration for r in runs],
                                    **({"profile": profiler.to_dict()} if profiler is not None else {}),
+                                   **({"encoder": profiler.encoder_summary()}
+                                      if profiler is not None and profiler.encoder_summary() else {}),
                                    **({"memory_floor": floor} if floor else {}),
                                    "num_kv_blocks": engine.num_kv_blocks, "steps": step_records(runs)})
     if args.plot:
@@ -232,6 +236,10 @@ def add_bench_parsers(sub: Any, add_engine_args: Callable[..., None],
                                   "arrival_time) into the engine while it steps")):
         p = bsub.add_parser(name, help=text, description=text)
         add_workload_args(p)
+        p.add_argument("--image-size", metavar="WxH", default=None,
+                       help="image models: each request whose workload entry names no image_sizes starts "
+                            "with one image of this size (a deterministic pattern, its own per image: no encoder "
+                            "cache hits), then its tokens")
         if name == "online":
             p.add_argument("--request-rate", type=parse_rate_arg, default=None,
                            help="requests/s, Poisson (seeded by --seed); inf = all at once")

@@ -86,7 +86,8 @@ def run_workload(engine: LLMEngine, requests: list[WorkloadRequest], label: str 
             engine.add_request(r.prompt_token_ids,
                                SamplingParams(temperature=temperature, seed=i if temperature else None,
                                               max_tokens=r.max_tokens, ignore_eos=True),
-                               request_id=f"{prefix}{i}", arrival_time=t0 + r.arrival_time, priority=r.priority)
+                               request_id=f"{prefix}{i}", arrival_time=t0 + r.arrival_time, priority=r.priority,
+                               images=r.images)
             nxt += 1
         n_steps = len(engine.step_stats)
         for out in engine.step(finished_only=True):

@@ -16,6 +16,10 @@ class WorkloadRequest:
     max_tokens: int
     arrival_time: float = 0.0  # seconds from the start of the run
     priority: int = 0  # lower is more urgent (scheduling_policy="priority")
+    # Image models: the (width, height) of each image in front of the prompt's tokens, and their
+    # ImageFeatures once made (``ferry.bench.images.with_images``).
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    images: tuple = ()
 
 
 def load_workload(path: str | Path) -> list[WorkloadRequest]:
@@ -26,15 +30,28 @@ def load_workload(path: str | Path) -> list[WorkloadRequest]:
     for i, r in enumerate(items):
         if "prompt_token_ids" not in r or "max_tokens" not in r:
             raise ValueError(f"{path}: request {i} needs prompt_token_ids and max_tokens")
+        sizes = tuple(parse_image_size(v, f"{path}: request {i} image_sizes") for v in r.get("image_sizes", ()))
         out.append(WorkloadRequest(list(r["prompt_token_ids"]), int(r["max_tokens"]),
-                                   float(r.get("arrival_time", 0.0)), int(r.get("priority", 0))))
+                                   float(r.get("arrival_time", 0.0)), int(r.get("priority", 0)), sizes))
     return out
 
 
 def save_workload(requests: list[WorkloadRequest], path: str | Path) -> None:
     Path(path).write_text(json.dumps({"requests": [
         {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
-         "arrival_time": r.arrival_time, "priority": r.priority} for r in requests]}))
+         "arrival_time": r.arrival_time, "priority": r.priority,
+         **({"image_sizes": [f"{w}x{h}" for w, h in r.image_sizes]} if r.image_sizes else {})} for r in requests]}))
+
+
+def parse_image_size(value: str, what: str = "image size") -> tuple[int, int]:
+    """"WxH" (e.g. "448x448") -> (width, height), both >= 1."""
+    try:
+        width, height = (int(v) for v in str(value).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{what}: expected WxH (e.g. 448x448), got {value!r}") from None
+    if width < 1 or height < 1:
+        raise ValueError(f"{what}: width and height must be >= 1, got {value!r}")
+    return width, height
 
 
 def sample_lengths(n: int, mean: int, dist: str, rng: random.Random, range_ratio: float = 0.5,

@@ -150,9 +150,12 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     # Embedding requests whose prompt ended this step: request_id -> its pooled, normalised vector.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Image models: the seconds of each image the vision encoder ran this step.
+    encoder_seconds: list[float] = field(default_factory=list)
 
     def update(self, other: "ModelRunnerOutput") -> None:
         """Take in the results of another part of the same step."""
+        self.encoder_seconds.extend(other.encoder_seconds)
         self.sampled.update(other.sampled)
         self.logprobs.update(other.logprobs)
         self.errors.update(other.errors)

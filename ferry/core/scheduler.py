@@ -24,23 +24,29 @@ from ferry.core.ngram import propose_ngram
 from ferry.core.outputs import ModelRunnerOutput, NewRequest, ScheduledChunk, SchedulerOutput
 from ferry.core.queues import make_queue, priority_key
 from ferry.core.request import Request, RequestStatus
+from ferry.core.spec_k import AcceptanceTracker
 from ferry.core.stats import SchedulerState, SchedulerStats
 
 
 class _EncoderStep:
     """One step's vision-encoder budget: image tokens left, and the image hashes it encodes."""
 
-    __slots__ = ("left", "planned")
+    __slots__ = ("left", "planned", "overrun")
 
     def __init__(self, budget: int) -> None:
         self.left = budget
         self.planned: set[bytes] = set()
+        self.overrun = False  # a chunk of this step took a whole image past its token budget
 
 
 class Scheduler:
     """Continuous (iteration-level) batching with a token budget."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float]) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float],
+                 whole_images: bool = False, choose_ks: Callable[..., list[int]] | None = None) -> None:
+        """``whole_images``: the model attends each image's tokens both ways in prefill, so a chunk
+        holds every image it touches whole (``Executor.whole_images``). ``choose_ks``: the draft-length
+        choice of ``speculative_config.adaptive_k`` (``ferry.engine.draft_lengths.choose_ks``)."""
         assert config.max_model_len is not None
         self.config = config
         self.kv = kv
@@ -54,6 +60,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.spec = config.speculative_config
+        # adaptive_k: each request's measured acceptance, and this step's draft lengths by request.
+        self.acceptance = AcceptanceTracker() if self.spec is not None and self.spec.adaptive_k else None
+        if self.acceptance is not None and choose_ks is None:
+            raise ValueError("speculative_config.adaptive_k needs a draft-length choice (choose_ks)")
+        self.choose_ks = choose_ks
+        self._ks: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_drafts = 0  # verify steps with drafts, summed over requests
@@ -69,6 +81,7 @@ class Scheduler:
         self.encoder_refs: dict[bytes, set[str]] = {}
         self._encoder_releases: list[tuple[bytes, str]] = []
         self._enc = _EncoderStep(self.encoder_budget)
+        self.whole_images = whole_images
         self._seq = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -105,6 +118,8 @@ class Scheduler:
         if req.images:
             self._drop_images(req)
         del self.requests[req.request_id]
+        if self.acceptance is not None:
+            self.acceptance.forget(req.request_id)
         self._finished_since_last_step.append(req.request_id)
 
     def has_unfinished(self) -> bool:
@@ -141,6 +156,8 @@ class Scheduler:
         # (Locals: this loop runs for every running request every step.)
         running, spec, allocate, chunk_cap = RequestStatus.RUNNING, self.spec, self.kv.allocate_slots, self.chunk_cap
         states = self.kv.states
+        if self.acceptance is not None:
+            self._ks = self._choose_ks(budget)
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -199,6 +216,8 @@ class Scheduler:
             c.state_slot = states.slots[c.request_id]
             if not c.spec_token_ids:
                 c.snapshot_slot = self.kv.snapshot_slot(req, c.start + c.num_tokens)
+            else:  # a verify runs its tokens in order over the state, as a prefill chunk does
+                c.decode = False
             copy = states.copies.get(c.request_id)  # held from boarding until its first step is over
             if copy is not None:
                 out.state_copies.append(copy)
@@ -355,21 +374,56 @@ class Scheduler:
         leave room for (a draft model's are placeholders its executor fills). None for requests whose
         next-token rule depends on the tokens before it in ways the verify step does not replay
         (penalties, grammars)."""
-        spec, sp = self.spec, req.sampling_params
+        spec = self.spec
         assert spec is not None
-        # A recurrent state cannot be rewound past a rejected draft: hybrid models verify none.
-        if sp.has_penalties or sp.structured_outputs is not None or self.kv.states is not None:
+        if not self._can_draft(req):
             return []
         if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
             return []
-        k = min(spec.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1)
+        k = min(self._ks.get(req.request_id, 0) if self.acceptance is not None else spec.num_speculative_tokens,
+                budget - 1, self._k_cap(req))
         if k <= 0:
             return []
-        if spec.method == "draft_model":
-            # Slots only: the executor's draft model writes the k tokens in before the verify runs.
+        if spec.method in ("draft_model", "mtp"):
+            # Slots only: the executor's draft model (or MTP head) writes the k tokens in before the verify runs.
             return [0] * k
         return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _can_draft(self, req: Request) -> bool:
+        """Whether ``req``'s next-token rule lets a verify replay it (no penalties, no grammar)."""
+        sp = req.sampling_params
+        # A hybrid model verifies the drafts of its MTP head only: a verify that rejects one is
+        # computed again from its start (its recurrent state is not rewound past a token).
+        hybrid_off = self.kv.states is not None and (self.spec is None or self.spec.method != "mtp")
+        return not (sp.has_penalties or sp.structured_outputs is not None or hybrid_off)
+
+    def _k_cap(self, req: Request) -> int:
+        """The most drafts ``req`` may carry: its max_tokens and max_model_len leave room for them
+        and the verify's own token."""
+        assert self.spec is not None
+        return min(self.spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+
+    def _choose_ks(self, budget: int) -> dict[str, int]:
+        """adaptive_k: this step's draft length for each decoding request (``ferry.core.spec_k``),
+        the other running requests' prefill tokens counted in the step's cost."""
+        assert self.acceptance is not None and self.spec is not None
+        decoding, other = [], 0
+        for req in self.running:
+            need = len(req.all_token_ids) - req.num_computed_tokens
+            if need == 1:
+                decoding.append(req)
+            else:
+                other += min(need, self.chunk_cap)
+        other = min(other, max(budget - len(decoding), 0))
+        rates = [self.acceptance.rate(r.request_id) for r in decoding]
+        caps = [max(self._k_cap(r), 0) if self._can_draft(r) else 0 for r in decoding]
+        assert self.choose_ks is not None
+        ks = self.choose_ks(rates, caps, self.spec.step_cost, other)
+        for r, k in zip(decoding, ks):
+            if k == 0:
+                self.acceptance.idle(r.request_id)
+        return {r.request_id: k for r, k in zip(decoding, ks)}
 
     def _new_request(self, req: Request) -> NewRequest:
         return NewRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids, req.images)
@@ -388,6 +442,8 @@ class Scheduler:
         """``num`` cut before the first image the chunk [start, start + num) touches whose encoding
         does not fit the step's encoder budget left (0: not even the chunk's first token), and the
         indexes of the images it touches that need encoding. The step's first image runs whatever its size."""
+        if self.whole_images:
+            num = self._whole_images(req, start, num)
         enc, end, todo, left = self._enc, start + num, [], self._enc.left
         planned = set(enc.planned)
         for i, im in enumerate(req.images):
@@ -402,10 +458,31 @@ class Scheduler:
             left -= im.length
         return num, todo
 
+    def _whole_images(self, req: Request, start: int, num: int) -> int:
+        """``num`` such that the chunk [start, start + num) cuts no image: it ends before an image it
+        would cut, or, when that image is where the chunk starts, takes the image whole, past the
+        step's token budget if it must (one such chunk a step, as an encoder step runs its first
+        image whatever its size); 0: the image waits for the next step."""
+        end = start + num
+        for im in req.images:
+            if im.offset >= end:
+                break
+            if im.end <= end or im.end <= start:
+                continue  # inside the chunk, or before it
+            if im.offset > start:
+                return im.offset - start
+            if self._enc.overrun:
+                return 0
+            self._enc.overrun = True
+            return im.end - start
+        return num
+
     def _commit_images(self, req: Request, start: int, num: int, todo: list[int], out: SchedulerOutput) -> None:
         """A scheduled chunk's images: encode those planned, and hold every touched image's output
         until the chunk that passes its end has run."""
         enc, rid, end = self._enc, req.request_id, start + num
+        self._stats.num_encoder_cache_hits += sum(1 for i, im in enumerate(req.images)
+                                                  if start <= im.offset < end and i not in todo)
         for i in todo:
             im = req.images[i]
             out.encoder_inputs.append((rid, i))
@@ -492,12 +569,17 @@ class Scheduler:
             if chunk.spec_token_ids:
                 accepted = len(tokens) - 1
                 req.num_computed_tokens -= len(chunk.spec_token_ids) - accepted
+                if self.kv.states is not None and accepted < len(chunk.spec_token_ids):
+                    # The executor put the state back as it was before the verify: its tokens run again.
+                    req.num_computed_tokens = chunk.start
                 self.num_drafts += 1
                 self.num_draft_tokens += len(chunk.spec_token_ids)
                 self.num_accepted_tokens += accepted
                 stats.num_drafts += 1
                 stats.num_draft_tokens += len(chunk.spec_token_ids)
                 stats.num_accepted_tokens += accepted
+                if self.acceptance is not None:
+                    self.acceptance.observe(rid, len(chunk.spec_token_ids), accepted)
             if req.spec_token_ids:
                 req.spec_token_ids = []
             status = None

@@ -22,6 +22,9 @@ class SchedulerStats:
     num_drafts: int = 0  # speculative verify chunks
     num_draft_tokens: int = 0  # draft tokens they proposed
     num_accepted_tokens: int = 0  # of those, accepted
+    # Images whose prompt span began in this step with their encoder output already held (another
+    # request's, or its own before a preemption): not encoded again.
+    num_encoder_cache_hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
 from ferry.core.static_scheduler import StaticScheduler
+from ferry.engine.draft_lengths import choose_ks
 from ferry.engine.output_processor import OutputProcessor
 from ferry.engine.outputs import RequestOutput
 from ferry.engine.profiler import StepProfiler, no_tick, shape_of
@@ -64,7 +65,8 @@ class LLMEngine:
         # A model whose every layer has a sliding window lets the cache give back what it passed.
         if executor.num_state_slots and config.scheduler == "static":
             raise ValueError("scheduler 'static' does not serve models with recurrent layers: use 'continuous'")
-        if executor.num_state_slots and config.speculative_config is not None:
+        if executor.num_state_slots and config.speculative_config is not None \
+                and config.speculative_config.method != "mtp":
             log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
                         "rewound past a rejected draft token")
         self.kv = KVCacheManager(num_kv_blocks, config.block_size,
@@ -72,7 +74,8 @@ class LLMEngine:
                                  window=executor.max_window, num_state_slots=executor.num_state_slots,
                                  snapshot_interval=config.snapshot_interval)
         scheduler_cls = StaticScheduler if config.scheduler == "static" else Scheduler
-        self.scheduler = scheduler_cls(config, self.kv, self.clock)
+        self.scheduler = scheduler_cls(config, self.kv, self.clock, whole_images=executor.whole_images,
+                                       choose_ks=choose_ks)
         assert config.max_model_len is not None  # the scheduler asserts it too
         self.admission = Admission(config.max_model_len, config.block_size, self.kv.num_blocks,
                                    executor.vocab_size, tokenizer is not None, executor.check_sampling_params)
@@ -190,6 +193,7 @@ class LLMEngine:
         changed = self.scheduler.update_from_output(out, result)
         tick("update")
         stats = self._record_step(out, start)
+        stats.encoder_seconds = tuple(result.encoder_seconds)
         for req, stop in self.output_processor.take(changed, result):
             self._stopped_by_string(req, stop)
         outputs = self.output_processor.outputs(changed, finished_only)
@@ -197,6 +201,7 @@ class LLMEngine:
         if prof is not None:
             tick("outputs")
             prof.finish(shape_of(out))
+            prof.add_images(stats.encoder_seconds, stats.num_encoder_cache_hits)
         return outputs
 
     def _stopped_by_string(self, req: Request, stop: str) -> None:
@@ -278,7 +283,7 @@ class LLMEngine:
             decode_ids=tuple(kinds["decode"]), padding_ids=tuple(kinds["padding"]),
             preempted_ids=tuple(out.preempted_req_ids), num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens, num_prefix_queried_tokens=s.num_prefix_queried_tokens,
-            num_prefix_hit_tokens=s.num_prefix_hit_tokens)
+            num_prefix_hit_tokens=s.num_prefix_hit_tokens, num_encoder_cache_hits=s.num_encoder_cache_hits)
         stats.shape, stats.num_sampling_rows = out.cost_shape
         self.step_stats.append(stats)
         self.last_step = stats

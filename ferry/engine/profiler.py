@@ -51,6 +51,23 @@ class StepProfiler:
         self.steps: dict[str, int] = defaultdict(int)
         self._parts: dict[str, float] = defaultdict(float)
         self._last = 0.0
+        self.encoder_seconds: list[float] = []  # the vision encoder's time per image (image models)
+        self.encoder_cache_hits = 0
+
+    def add_images(self, seconds: tuple[float, ...] | list[float], hits: int) -> None:
+        """A step's images: the encoder's seconds per image it ran (inside the step's 'encoder' part),
+        and the images whose output it already held."""
+        self.encoder_seconds.extend(seconds)
+        self.encoder_cache_hits += hits
+
+    def encoder_summary(self) -> dict[str, Any] | None:
+        """Images encoded, ms per image (mean, median, max) and cache hits; None without images."""
+        s = sorted(self.encoder_seconds)
+        if not s and not self.encoder_cache_hits:
+            return None
+        ms = [1e3 * t for t in s]
+        return {"images": len(s), "cache_hits": self.encoder_cache_hits,
+                "ms_per_image": {"mean": sum(ms) / len(ms), "median": ms[len(ms) // 2], "max": ms[-1]} if ms else None}
 
     def start(self) -> None:
         self._parts = defaultdict(float)
@@ -79,6 +96,8 @@ class StepProfiler:
     def reset(self) -> None:
         self.totals.clear()
         self.steps.clear()
+        self.encoder_seconds.clear()
+        self.encoder_cache_hits = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Per shape: steps, mean step ms, and per part mean ms and share of the step."""
@@ -102,6 +121,12 @@ class StepProfiler:
                          f"CPU overhead ({'+'.join(OVERHEAD_PARTS)}) {100 * s['overhead_share']:.1f}%")
             for part, v in s["parts"].items():
                 lines.append(f"  {part:<10} {v['ms']:8.3f} ms  {100 * v['share']:5.1f}%")
+        enc = self.encoder_summary()
+        if enc is not None:
+            per = enc["ms_per_image"]
+            lines.append(f"vision encoder: {enc['images']} images encoded" + (
+                f", {per['mean']:.1f} ms per image (median {per['median']:.1f}, max {per['max']:.1f})" if per else "")
+                + f", {enc['cache_hits']} encoder cache hits")
         return "\n".join(lines)
 
 

@@ -22,6 +22,10 @@ class StepStats:
     # Prefix caching: prompt tokens of the requests admitted in this step looked up, and found.
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # Images: the vision encoder's seconds per image it ran in this step, and the images whose
+    # encoder output was already held (not encoded again).
+    encoder_seconds: tuple[float, ...] = ()
+    num_encoder_cache_hits: int = 0
     # The step's composition as the cost model reads it ((num_tokens, start) per chunk, LM-head
     # rows) and its whole wall time, scheduling and outputs included: what calibration fits.
     shape: tuple[tuple[int, int], ...] = field(default=(), repr=False)

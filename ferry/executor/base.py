@@ -70,6 +70,12 @@ class Executor(ABC):
         back what every layer has passed), else None."""
         return None if self.model_config is None else self.model_config.max_window
 
+    @property
+    def whole_images(self) -> bool:
+        """Whether a prompt chunk must hold each image it touches whole: the model attends an
+        image's tokens both ways in prefill (``Architecture.bidirectional_images``)."""
+        return self.model_config is not None and self.model_config.arch.bidirectional_images
+
     def check_sampling_params(self, sp: SamplingParams) -> Any:
         """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar
         and returns it (for ``hold_grammar``), or None."""
@@ -100,6 +106,10 @@ class WrappedExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.inner.execute(out)
+
+    @property
+    def whole_images(self) -> bool:
+        return self.inner.whole_images
 
     def check_sampling_params(self, sp: SamplingParams) -> Any:
         return self.inner.check_sampling_params(sp)

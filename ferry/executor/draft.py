@@ -28,7 +28,7 @@ from ferry.core.sampling_params import SamplingParams
 from ferry.executor.batch import pack
 from ferry.executor.kv_tensors import allocate, block_bytes, kv_groups
 from ferry.executor.request_state import RequestStates
-from ferry.executor.sampler import greedy_tokens, sampling_probs
+from ferry.executor.sampler import draft_token
 from ferry.model.config import ModelConfig
 from ferry.model.decoder import DecoderModel
 from ferry.model.kv_format import cache_dtype
@@ -69,6 +69,26 @@ def check_same_vocab(target: ModelConfig, draft: ModelConfig, target_tok: Any, d
                          f"({diff} token entries differ): a draft model needs the target's tokenizer")
 
 
+def refuse_assistant(model: str) -> None:
+    """Raise a clear ValueError for a Gemma 4 assistant drafter (transformers' gemma4_assistant): it
+    attends to the target's own K/V of its last layers (``shared_kv_states``) and reads the target's
+    hidden state, so it is no stand-alone draft model: ferry runs it as method "mtp"."""
+    import json
+    from pathlib import Path
+
+    config = Path(model).expanduser() / "config.json"
+    try:
+        d = json.loads(config.read_text()) if config.is_file() else {}
+    except ValueError:
+        return
+    assistants = {"Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM"}
+    if assistants & set(d.get("architectures") or []) or d.get("model_type") in ("gemma4_assistant",
+                                                                                 "gemma4_unified_assistant"):
+        raise ValueError(f"speculative_config.model {model!r} is a Gemma 4 assistant drafter, no stand-alone draft "
+                         "model: it reads the target's hidden states and attends to the target's own K/V "
+                         "(shared_kv_states); give it with method 'mtp' (a Gemma 4 target)")
+
+
 class DraftModel:
     """The draft model, its KV layers over the target's blocks, and each request's draft length."""
 
@@ -82,6 +102,7 @@ class DraftModel:
         # The draft's own quantization: a GGUF draft stays quantized beside a float target.
         draft_config = replace(config, model=spec.model, quantization=None, max_model_len=None,
                                speculative_config=None)
+        refuse_assistant(spec.model)
         try:
             setup = ModelSetup.resolve(draft_config)
         except FileNotFoundError as e:
@@ -137,6 +158,12 @@ class DraftModel:
             self.lens.pop(rid, None)
         for rid in out.preempted_req_ids:
             self.lens.pop(rid, None)  # its blocks are new: both models recompute them
+        if not any(c.spec_token_ids for c in out.chunks):
+            # No verify in this step (adaptive_k chose none): the draft catches up later, from where
+            # it stopped (a request it has not seen, from its first chunk's start).
+            for c in out.chunks:
+                self.lens.setdefault(c.request_id, c.start)
+            return {}
         first: list[ScheduledChunk] = []
         views: dict[str, _DraftView] = {}
         verifying: list[tuple[ScheduledChunk, _DraftView]] = []
@@ -207,11 +234,5 @@ class DraftModel:
         return rows
 
     def _choose(self, logits: torch.Tensor, sp: SamplingParams, dists: list[torch.Tensor]) -> int:
-        """The draft's next token: argmax for a greedy request, else a draw from the draft's own
-        distribution under the request's temperature and filters (kept in ``dists``)."""
-        if sp.greedy:
-            return greedy_tokens(logits[None])[0]
-        probs = sampling_probs(logits.float(), sp)
-        probs = probs / probs.sum()
-        dists.append(probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """The draft's next token (``ferry.executor.sampler.draft_token``)."""
+        return draft_token(logits, sp, dists, self.generator)

@@ -8,6 +8,7 @@ it takes the rows of the output its tokens cover. Rope positions come from each 
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -22,10 +23,19 @@ from ferry.model.multimodal import ImageEncoder, ImageRows, RequestPositions
 class ImageSteps:
     """Encoder outputs by image hash, and the image rows of each step's packed batch."""
 
-    def __init__(self, encoder: ImageEncoder) -> None:
+    def __init__(self, encoder: ImageEncoder, bidirectional: bool = False) -> None:
         self.encoder = encoder
+        # The model attends each image's tokens both ways in prefill (``Architecture.bidirectional_images``):
+        # each prefill span names the images its chunk holds (whole: the scheduler never cuts one).
+        self.bidirectional = bidirectional
         self.cache: dict[bytes, VisionOutput] = {}
         self.positions: dict[str, RequestPositions] = {}
+        self.seconds: list[float] = []  # each image encoded since the last ``take_seconds``
+
+    def take_seconds(self) -> list[float]:
+        """The encoder's seconds per image since the last call (once per step)."""
+        out, self.seconds = self.seconds, []
+        return out
 
     def apply(self, out: SchedulerOutput, states: RequestStates) -> None:
         """Drop the freed outputs, forget finished requests, encode the step's scheduled images."""
@@ -39,7 +49,9 @@ class ImageSteps:
     def _output(self, image: Any) -> VisionOutput:
         got = self.cache.get(image.hash)
         if got is None:  # scheduled in this step (or, defensively, needed and not held)
+            t0 = time.perf_counter()
             got = self.cache[image.hash] = self.encoder.encode(image)
+            self.seconds.append(time.perf_counter() - t0)
         return got
 
     def rows(self, out: SchedulerOutput, batch: PackedBatch, states: RequestStates) -> ImageRows | None:
@@ -71,6 +83,11 @@ class ImageSteps:
                 if pos3 is not None:
                     pos3[:, row:row + c.num_tokens] = at
             row += c.num_tokens
+        if self.bidirectional:
+            for span, c in zip(batch.meta.prefills, prefills):
+                end = c.start + c.num_tokens
+                span.blocks = tuple((im.offset, im.end) for im in states[c.request_id].images
+                                    if im.overlaps(c.start, end))
         if not rows:
             return None
         embeds = torch.cat([o.embeds[a:b] for o, a, b in parts])

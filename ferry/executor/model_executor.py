@@ -20,13 +20,14 @@ from ferry.executor.request_state import RequestStates
 from ferry.executor.pooling import pool
 from ferry.executor.sampler import Sampler, prompt_logprobs
 from ferry.executor.structured import GrammarCompiler
+from ferry.model.arch import ARCHITECTURES
 from ferry.model.config import ModelConfig, generation_eos_ids
 from ferry.model.device import default_dtype, kv_blocks_for_memory, lazy_zeros, release_freed_memory, resolve_device
 from ferry.model.kv_format import cache_dtype
 from ferry.model.decoder import DecoderModel, ForwardOutput
 from ferry.model.multimodal import ImageEncoder
 from ferry.model.tensor_parallel import Collectives, ShardPlan
-from ferry.model.loader import DTYPES, load_weights, resolve_model_dir
+from ferry.model.loader import DTYPES, load_mmproj, load_weights, resolve_model_dir
 from ferry.model.quant import uses_q8
 from ferry.model.tokenizer import load_tokenizer
 
@@ -61,6 +62,35 @@ def copy_states(caches: list[dict[str, torch.Tensor]], pairs: list[tuple[int, in
     for layer in caches:
         for t in layer.values():
             t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
+
+
+def _refuse_mtp(cfg: ModelConfig, model: str | None = None) -> None:
+    """speculative_config.method 'mtp' for a model without an MTP head ferry reads: say so."""
+    from ferry.executor.gemma4_assistant import assistant_config
+    from ferry.executor.mtp import MTP_ARCHITECTURES
+
+    if cfg.architecture not in MTP_ARCHITECTURES and assistant_config(model) is None:
+        raise ValueError(f"speculative_config.method 'mtp': {cfg.architecture} has no MTP head ferry reads "
+                         f"(it reads those of {', '.join(sorted(MTP_ARCHITECTURES))})")
+
+
+def _load_mtp(config: EngineConfig, setup: "ModelSetup", target: DecoderModel, kv_dtype: torch.dtype) -> Any:
+    """The MTP drafter: the head from the checkpoint's mtp.* tensors, or from llama.cpp's MTP GGUF
+    named by ``speculative_config.model``."""
+    from ferry.executor.gemma4_assistant import Gemma4AssistantHead, Gemma4AssistantProposer, assistant_config
+    from ferry.executor.mtp import MTPHead, MTPProposer
+
+    spec = config.speculative_config
+    assert spec is not None
+    if assistant_config(spec.model) is not None:  # Gemma 4's assistant: reads the target's K/V (attach)
+        assistant = Gemma4AssistantHead.load(spec.model, setup.model_config, target, DTYPES[setup.dtype_name],
+                                             setup.max_model_len, setup.device)
+        target.keep_hidden = True
+        return Gemma4AssistantProposer(assistant, spec.num_speculative_tokens, config.block_size, config.seed)
+    head = MTPHead.load(setup.model_dir, setup.model_config, target, DTYPES[setup.dtype_name], setup.max_model_len,
+                        setup.device, gguf=spec.model)
+    target.keep_hidden = True  # the head reads every row's hidden state
+    return MTPProposer(head, spec.num_speculative_tokens, config.block_size, kv_dtype, config.seed)
 
 
 @dataclass
@@ -120,6 +150,8 @@ class ModelExecutor(Executor):
             torch.set_num_threads(config.num_threads)
         setup = ModelSetup.resolve(config)
         config, cfg = setup.config, setup.model_config
+        if config.speculative_config is not None and config.speculative_config.method == "mtp":
+            _refuse_mtp(cfg, config.speculative_config.model)
         self.device, self.dtype_name = setup.device, setup.dtype_name
         dtype = DTYPES[self.dtype_name]
         self.max_model_len = setup.max_model_len
@@ -130,8 +162,11 @@ class ModelExecutor(Executor):
         q8 = uses_q8(weights)
         self.model = DecoderModel(cfg, weights, dtype, self.max_model_len, self.device, plan, comm)
         # An image model's vision tower, its encoder cache and rope positions (None: a text model).
-        encoder = ImageEncoder.load(setup.model_dir, cfg.architecture, dtype, self.device)
-        self.images = ImageSteps(encoder) if encoder is not None else None
+        # A GGUF's tower (llama.cpp's mmproj file), and the image model the pair forms.
+        mmproj, image_arch = load_mmproj(config, cfg.architecture)
+        encoder = ImageEncoder.load(setup.model_dir, image_arch, dtype, self.device, mmproj)
+        self.images = ImageSteps(encoder, ARCHITECTURES[image_arch].bidirectional_images) \
+            if encoder is not None else None
         del weights
         release_freed_memory()
         self.model_config = cfg
@@ -142,7 +177,8 @@ class ModelExecutor(Executor):
         if encoder is not None and self.tokenizer is not None:
             from ferry.multimodal.processor import ImagePrompter  # transformers' image processors
 
-            self.image_prompter = ImagePrompter.for_model(setup.model_dir, self.tokenizer)
+            self.image_prompter = ImagePrompter.for_model(setup.model_dir, self.tokenizer, mmproj=mmproj,
+                                                          architecture=image_arch)
         self.block_size = config.block_size
         kv_dtype = cache_dtype(config.kv_cache_dtype, dtype, q8)
         elem = torch.tensor([], dtype=kv_dtype).element_size()
@@ -156,6 +192,15 @@ class ModelExecutor(Executor):
         self.draft_dists: dict[str, torch.Tensor] = {}
         if self.draft is not None:
             bytes_per_block += self.draft.bytes_per_block(config.block_size)
+        # An MTP head (method "mtp"): its attention layer's KV in the same blocks, like a draft model's.
+        self.mtp = _load_mtp(config, setup, self.model, kv_dtype) \
+            if config.speculative_config is not None and config.speculative_config.method == "mtp" else None
+        if self.mtp is not None:
+            bytes_per_block += self.mtp.bytes_per_block(config.block_size)
+        # A hybrid model's states before a verify step (slots, copies, request -> (slot, k)).
+        self._verify_states: tuple[torch.Tensor, list[dict[str, torch.Tensor]], dict[str, tuple[int, int]]] | None \
+            = None
+        self._step_chunks: list[Any] = []
         state_bytes = 4 * cfg.state_floats  # one request's recurrent state, every recurrent layer's
         self.num_state_slots = state_slots(config, state_bytes) if state_bytes else 0
         budget = config.kv_cache_memory_gb * 2**30 - self.num_state_slots * state_bytes
@@ -195,6 +240,10 @@ class ModelExecutor(Executor):
         self.state_caches = [self.kv_caches[i] for i in cfg.recurrent_layers]
         if self.draft is not None:
             self.draft.allocate(self.num_kv_blocks, zeros)
+        if self.mtp is not None:
+            self.mtp.allocate(self.num_kv_blocks, zeros)
+            if hasattr(self.mtp, "attach"):  # Gemma 4's assistant reads the target's K/V
+                self.mtp.attach(self.kv_caches)
         # Builds nothing until a request asks for structured outputs.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                         max_compile_seconds=config.max_grammar_compile_seconds)
@@ -202,6 +251,11 @@ class ModelExecutor(Executor):
         self.states = RequestStates()
         self.tick: Callable[[str], None] = no_tick
         self.matmul_precision = config.fp32_matmul_precision
+
+    @property
+    def whole_images(self) -> bool:
+        """The image model's rule (a GGUF + mmproj pair's too, whose text architecture has none)."""
+        return self.images is not None and self.images.bidirectional
 
     def check_sampling_params(self, sp: SamplingParams) -> Any:
         """Raise ValueError (naming the field) if ``sp`` cannot be served; compiles its grammar
@@ -232,6 +286,11 @@ class ModelExecutor(Executor):
         if self.draft is not None:  # fills the verify chunks' drafts before they are packed
             self.draft_dists = self.draft.propose(out, self.states)
             self.tick("draft")
+        if self.mtp is not None:  # the same, from the MTP head and the target's last hidden states
+            self.draft_dists = self.mtp.propose(out, self.states)
+            self._step_chunks = out.chunks
+            self._keep_verify_states(out.chunks)
+            self.tick("draft")
         batch = pack(out.chunks, self.states, self.block_size, out.state_copies)
         images = None
         if self.images is not None:  # encoder outputs, and the image rows and positions of the batch
@@ -261,5 +320,36 @@ class ModelExecutor(Executor):
         if batch.pool_spans:
             result.pooled = pool(out.pool_rows, batch.pool_spans)
         self.states.append_tokens(result.sampled)
+        if self.images is not None:
+            result.encoder_seconds = self.images.take_seconds()
+        if self.mtp is not None:
+            self._rewind_rejected(result.sampled)
+            if out.all_hidden is not None:
+                self.mtp.observe(self._step_chunks, out.all_hidden, result.sampled)
         self.tick("sample")
         return result
+
+    def _keep_verify_states(self, chunks: list[Any]) -> None:
+        """A hybrid model's verify chunks: their requests' recurrent states as they are before the
+        step, put back where a draft is rejected (the scheduler then runs the verify's tokens again)."""
+        self._verify_states = None
+        verifying = {c.request_id: (c.state_slot, len(c.spec_token_ids)) for c in chunks
+                     if c.spec_token_ids and c.state_slot >= 0}
+        if not verifying or not self.state_caches:
+            return
+        slots = torch.tensor([s for s, _ in verifying.values()], dtype=torch.long)
+        saved = [{n: t.index_select(0, slots.to(t.device)) for n, t in layer.items()} for layer in self.state_caches]
+        self._verify_states = (slots, saved, verifying)
+
+    def _rewind_rejected(self, sampled: dict[str, list[int]]) -> None:
+        if self._verify_states is None:
+            return
+        slots, saved, verifying = self._verify_states
+        self._verify_states = None
+        back = [i for i, (rid, (_, k)) in enumerate(verifying.items()) if len(sampled.get(rid, ())) - 1 < k]
+        if not back:
+            return
+        idx = torch.tensor(back, dtype=torch.long)
+        for layer, kept in zip(self.state_caches, saved):
+            for n, t in layer.items():
+                t.index_copy_(0, slots[idx].to(t.device), kept[n].index_select(0, idx.to(t.device)))

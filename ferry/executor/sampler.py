@@ -283,3 +283,15 @@ def prompt_logprobs(rows: torch.Tensor, spans: list[tuple[CachedRequest, int, in
         out[req.request_id] = (first, entries)
         row += n
     return out
+
+
+def draft_token(logits: torch.Tensor, sp: SamplingParams, dists: list[torch.Tensor], generator: torch.Generator) -> int:
+    """A drafter's next token: argmax for a greedy request, else a draw from the drafter's own
+    distribution under the request's temperature and filters (appended to ``dists``, which the
+    verify's rejection sampling reads)."""
+    if sp.greedy:
+        return greedy_tokens(logits[None])[0]
+    probs = sampling_probs(logits.float(), sp)
+    probs = probs / probs.sum()
+    dists.append(probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -30,6 +30,9 @@ class PrefillSpan:
     ctx_len: int
     ctx_slots: torch.Tensor | None = None  # slots of positions [0, ctx_len + q_len) when ctx_len > 0
     state_slot: int = -1  # its request's recurrent-state slot (hybrid models); ctx_len == 0: start from zeros
+    # Position ranges [a, b) of its request whose queries also see the range's later keys (an
+    # image's tokens, attended both ways: Gemma 3); empty: causal.
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -56,7 +59,8 @@ class AttentionMetadata:
             slot_mapping=mv(self.slot_mapping), num_decodes=self.num_decodes,
             decode_block_tables=mv(self.decode_block_tables), decode_lens=mv(self.decode_lens),
             block_size=self.block_size, max_decode_len=self.max_decode_len,
-            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), p.state_slot) for p in self.prefills],
+            prefills=[PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.ctx_slots), p.state_slot, p.blocks)
+                      for p in self.prefills],
             decode_state_slots=mv(self.decode_state_slots))
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,14 +103,18 @@ def window_start(ctx_len: int, window: int | None) -> int:
 def _prefill_keys_and_mask(p: PrefillSpan, window: int | None, device: torch.device
                            ) -> tuple[int, torch.Tensor | None]:
     """(first context position gathered, mask over the gathered keys) of a prefill chunk's queries;
-    no mask for a first chunk without a window (SDPA's own causal mask serves it)."""
-    if window is None and p.ctx_len == 0:
+    no mask for a first chunk without a window (SDPA's own causal mask serves it). A query in one
+    of ``p.blocks`` also sees that block's later keys; the window still bounds every query's
+    earliest key (transformers' Gemma 3: sliding AND (causal OR same image))."""
+    if window is None and p.ctx_len == 0 and not p.blocks:
         return 0, None
     start = window_start(p.ctx_len, window)
     q_pos = torch.arange(p.ctx_len, p.ctx_len + p.q_len, device=device)[:, None]
     k_pos = torch.arange(start, p.ctx_len + p.q_len, device=device)[None, :]
-    causal = k_pos <= q_pos
-    return start, causal if window is None else causal & (k_pos > q_pos - window)
+    seen = k_pos <= q_pos
+    for a, b in p.blocks:
+        seen = seen | ((q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b))
+    return start, seen if window is None else seen & (k_pos > q_pos - window)
 
 
 # Scores the sink path holds at once (float32): its queries go in groups of rows under this.
@@ -213,6 +221,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         decode = decode_attention_kernel if use_kernel else decode_attention_torch
         out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale, window, sinks)
     kernel_rows = use_kernel and q.stride(2) == 1 and q.stride(1) == q.shape[2] and q.dtype == torch.float32
+    kernel_rows = kernel_rows and not any(p.blocks for p in meta.prefills)  # the C kernel is causal only
     if meta.prefills and kernel_rows and prefill_attention_kernel(q, k_cache, v_cache, meta, scale, window, out,
                                                                   sinks):
         return out.view(q.shape[0], -1)

@@ -41,6 +41,8 @@ class ForwardOutput:
     prompt_rows: torch.Tensor | None = None
     pool_rows: torch.Tensor | None = None  # embedding requests' final normed hidden states
     prompt_projected: bool = False
+    hidden: torch.Tensor | None = None  # the sampling rows' final normed hidden states (an MTP head reads them)
+    all_hidden: torch.Tensor | None = None  # every row's, when the model's ``keep_hidden`` is set
 
 
 def _no_tick(part: str) -> None:
@@ -67,9 +69,10 @@ class Residual:
         return x
 
     def segment(self, ctx: StepContext, cache: Any) -> Segment:
-        """Its ops for the fused decode, the part's output left in "out"."""
-        return Segment([Op("norm", "x", "h", "norm", w=self.norm)] + self.part.ops(ctx, cache), self.out_norm,
-                       self.scale)
+        """Its ops for the fused decode, the part's output left in "out" (a part with no norm before
+        it reads "x")."""
+        norm = [] if self.norm is None else [Op("norm", "x", "h", "norm", w=self.norm)]
+        return Segment(norm + self.part.ops(ctx, cache), self.out_norm, self.scale)
 
 
 @dataclass
@@ -84,10 +87,13 @@ class DecoderLayer:
         return x if self.scalar is None else x * self.scalar
 
     def segments(self, ctx: StepContext, cache: Any) -> list[Segment]:
-        """Its blocks' ops for the fused decode."""
+        """Its blocks' ops for the fused decode (the scalar after the last block's add, on one rank)."""
+        if self.scalar is not None and ctx.comm is not None:
+            raise NotFused("a layer scalar under tensor parallelism (the caller's residual adds)")
+        segments = [block.segment(ctx, cache) for block in self.blocks + self.extra]
         if self.scalar is not None:
-            raise NotFused("the fused C decode has no scaling of the residual stream (Gemma 4's layer_scalar)")
-        return [block.segment(ctx, cache) for block in self.blocks + self.extra]
+            segments[-1].post.append(Op("scale", "x", "x", self.blocks[-1].part.end, scale=float(self.scalar)))
+        return segments
 
     @property
     def mixer(self) -> Any:
@@ -125,6 +131,7 @@ class DecoderModel:
         # The step timer (``ferry.executor.base.StepTimer``), when one is on: told the name of each
         # part of the forward pass as it ends.
         self.profiler: Any = None
+        self.keep_hidden = False  # every row's final normed hidden state in the output (an MTP head's input)
         take = WeightTaker(cfg, weights, self.plan, dtype, device)
         tied = cfg.tie_word_embeddings or not take.has("lm_head.weight")
         # Packed for the LM head's products when tied; lookups gather their rows from the records.
@@ -152,6 +159,9 @@ class DecoderModel:
         if cfg.per_layer_input:
             self.per_layer = PerLayerInputs(take.model_tensor("ple_embed"), packed(take.model_tensor("ple_model_proj")),
                                             take.model_tensor("ple_model_norm"), cfg.num_layers, cfg.per_layer_input)
+        # The fused decode's per-layer inputs: its ops point here; each fused step fills its rows first.
+        self.per_layer_rows = None if self.per_layer is None else \
+            torch.zeros(FUSED_DECODE_ROWS, cfg.num_layers, cfg.per_layer_input, dtype=dtype, device=device)
         self.use_kernel = device.type == "cpu" and kernels_usable(dtype)  # the C kernels are CPU code
         # The kernels take any K (quantized weights come in whole blocks) and any head size; a
         # tensor-parallel rank runs each residual block's ops in C with its all-reduces between them.
@@ -164,9 +174,9 @@ class DecoderModel:
         if spec.mixer is not None:
             blocks.append(Residual(w["input_norm"], PARTS[spec.mixer.kind](spec.mixer, w, facts), w.get("attn_out_norm"),
                                    scale))
-        if spec.mlp is not None:
-            blocks.append(Residual(w["mlp_norm"], PARTS[spec.mlp.kind](spec.mlp, w, facts), w.get("mlp_out_norm"),
-                                   scale))
+        if spec.mlp is not None:  # a part that norms the residual its own ways reads it unnormed (Gemma 4's experts)
+            norm = None if getattr(spec.mlp, "reads_residual", False) else w["mlp_norm"]
+            blocks.append(Residual(norm, PARTS[spec.mlp.kind](spec.mlp, w, facts), w.get("mlp_out_norm"), scale))
         extra = [Residual(None, PerLayerInput.build(spec, w, index), w["ple_norm"])] if spec.per_layer_input else []
         return DecoderLayer(blocks, extra, w.get("layer_scalar"))
 
@@ -178,6 +188,7 @@ class DecoderModel:
         """Every block's ops in order (None: some part has no op in the C decode). Without caches it
         only checks that every part has its ops."""
         ctx = self._context(torch.empty(0, dtype=torch.int64), None, _no_tick)
+        ctx.per_layer = self.per_layer_rows
         caches = kv_caches or [(torch.empty(0), torch.empty(0))] * len(self.layers)
         try:
             return [seg for layer, cache in zip(self.layers, caches) for seg in layer.segments(ctx, cache)]
@@ -188,19 +199,22 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 prompt_indices: torch.Tensor | None = None, pool_indices: torch.Tensor | None = None,
-                images: ImageRows | None = None) -> ForwardOutput:
+                images: ImageRows | None = None, embeds: torch.Tensor | None = None) -> ForwardOutput:
         """Packed tokens in; out, float32 logits for the rows in ``logits_indices`` and the final
         normed hidden states of the rows in ``prompt_indices`` and ``pool_indices``. ``images``: the
-        step's image rows (their embeddings, deepstack features and per-axis rope positions)."""
+        step's image rows (their embeddings, deepstack features and per-axis rope positions). ``embeds``:
+        the rows' inputs in place of the token embeddings (an MTP head's projected inputs)."""
         T = input_ids.shape[0]
         prof = self.profiler
         tick = _no_tick if prof is None else prof.tick
-        x = self._embed(input_ids)
+        x = self._embed(input_ids) if embeds is None else embeds
         if images is not None:
             x[images.rows] = images.embeds.to(x.dtype)
         tick("embed")
         if self.fused is not None and self.use_kernel and meta.num_decodes == T <= FUSED_DECODE_ROWS \
                 and images is None:
+            if self.per_layer is not None:
+                self.per_layer_rows[:T] = self.per_layer(input_ids, x, self.cfg.rms_norm_eps, self.use_kernel)
             self.fused.run(x, positions, meta, kv_caches, prof)
             return self._outputs(x, logits_indices, prompt_indices, pool_indices, tick)
         ctx = self._context(positions, meta, tick)
@@ -240,8 +254,10 @@ class DecoderModel:
         def normed(idx: torch.Tensor | None) -> torch.Tensor | None:
             return rms_norm(x[idx], self.norm, self.cfg.rms_norm_eps) if idx is not None and idx.numel() else None
 
-        logits = self.project(rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps))
-        out = ForwardOutput(logits, normed(prompt_rows), normed(pool_rows))
+        hidden = rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps)
+        out = ForwardOutput(self.project(hidden), normed(prompt_rows), normed(pool_rows), hidden=hidden)
+        if self.keep_hidden:
+            out.all_hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         if self.comm is not None and out.prompt_rows is not None:
             out.prompt_rows = self.project(out.prompt_rows)  # a collective of all ranks: now, on each
             out.prompt_projected = True

@@ -3,7 +3,7 @@ list of ops that the layers' parts compile (``ops`` on each part of ``ferry.mode
 
 With few requests a decode step does little arithmetic per operation, and in torch it pays ~25
 operation dispatches per layer; the C path runs the same operations with none. A part the C side
-has no op for (routed experts) makes ``compile_ops`` give up, and the model decodes through torch.
+has no op for (Nemotron-H's sigmoid-routed experts) makes ``compile_ops`` give up, and the model decodes through torch.
 A tensor-parallel rank runs the list in segments, one per residual add, and all-reduces each
 segment's partial output in between. Steps with a prefill chunk, or more rows than
 ``FUSED_DECODE_ROWS``, go through torch, where each operation's work is large enough to pay for
@@ -26,10 +26,12 @@ from ferry.model.quant import QuantWeight, RowStack
 # Up to this many decodes the fused path wins (measured with --profile on the embedded model).
 FUSED_DECODE_ROWS = 32
 # The profiler's parts, in the order of the timing array (an op names the one its time goes to).
-PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down", "in_proj", "recurrent", "out_proj")
+PARTS = ("norm", "qkv", "rope", "attention", "o_proj", "gate_up", "act", "down", "in_proj", "recurrent", "out_proj",
+         "experts")
 
 # kernels/decode_ops.h's op codes and buffers, in order.
-OPS = ("norm", "matmul", "bias", "rope_kv", "attention", "gated_act", "add", "gdn", "short_conv", "gate", "mamba2", "relu2")
+OPS = ("norm", "matmul", "bias", "rope_kv", "attention", "gated_act", "add", "gdn", "short_conv", "gate", "mamba2", "relu2",
+       "experts", "heads_rope_kv", "heads_attention", "gated_act_n", "act_mul", "scale")
 BUFFERS = ("x", "out", "h", "qkv", "q", "attn", "gu", "act", "tmp", "rin", "rout")  # rin, rout: a recurrent part's
 
 class NotFused(Exception):
@@ -55,6 +57,10 @@ class Op:
     w3: torch.Tensor | None = None  # a recurrent op's further weights
     w4: torch.Tensor | None = None
     shape: tuple[int, ...] = ()  # a recurrent op's sizes
+    experts: Sequence[Any] = ()  # an experts op's products: each expert's gate_up, then each one's down
+    # Its rows in dst are ``width`` floats one after another, however wide the buffer (ops of a
+    # layer's own sizes: Gemma 4's head sizes and double-wide MLPs); the buffer is its widest.
+    packed: bool = False
 
 
 @dataclass
@@ -65,6 +71,7 @@ class Segment:
     ops: list[Op]
     out_norm: torch.Tensor | None = None
     scale: float = 1.0  # the output's scale before the residual add
+    post: list[Op] = field(default_factory=list)  # after the residual add, on one rank (Gemma 4's layer scalar)
 
 
 @dataclass
@@ -97,6 +104,14 @@ def _weight(w: Any, keep: list[Any]) -> tuple[int | None, int, int | None, int]:
     return w.data_ptr(), -1, None, 0
 
 
+def _expert_parts(ws: Sequence[Any], keep: list[Any]) -> int:
+    """The address of a WeightPart array of ``ws`` (each one QuantWeight or float32 tensor)."""
+    parts = (WeightPart * len(ws))(*[(w.data.data_ptr(), w.kernel_type, w.shape[0]) if isinstance(w, QuantWeight)
+                                     else (w.data_ptr(), -1, w.shape[0]) for w in ws])
+    keep.append(parts)
+    return ctypes.addressof(parts)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -105,6 +120,8 @@ def _op_struct(op: Op, keep: list[Any]) -> DecodeOp:
     s = DecodeOp(OPS.index(op.code), BUFFERS.index(op.src), BUFFERS.index(op.dst), PARTS.index(op.part))
     if op.code == "matmul":
         s.w, s.type, s.parts, s.n_parts = _weight(op.w, keep)
+    elif op.experts:
+        s.w, s.type, s.parts, s.n_parts = _ptr(op.w), -1, _expert_parts(op.experts, keep), len(op.experts)
     else:
         s.w, s.type = _ptr(op.w), -1
     s.w2, s.n, s.k, s.scale = _ptr(op.w2), op.n, op.k, op.scale
@@ -125,7 +142,9 @@ def _widths(segments: Sequence[Segment], hidden: int) -> dict[str, int]:
     widths = {"x": hidden, "out": hidden, "h": hidden, "tmp": hidden}
     for seg in segments:
         for op in seg.ops:
-            if op.width and widths.setdefault(op.dst, op.width) != op.width:
+            if op.width and op.packed:
+                widths[op.dst] = max(widths.get(op.dst, 0), op.width)
+            elif op.width and widths.setdefault(op.dst, op.width) != op.width:
                 raise ValueError(f"buffer {op.dst!r} written {widths[op.dst]} and {op.width} floats wide")
     return widths
 
@@ -149,7 +168,7 @@ class FusedDecode:
         if self._caches is not kv_caches:  # the executor's caches live as long as it does
             segments = self.compile_segments(kv_caches)
             if self.comm is None:  # one call for the whole model: each segment ends with its residual add
-                segments = [Segment([op for s in segments for op in s.ops + _residual_add(s)])]
+                segments = [Segment([op for s in segments for op in s.ops + _residual_add(s) + s.post])]
             keep: list[Any] = []
             compiled = []
             for seg in segments:
@@ -190,8 +209,8 @@ class FusedDecode:
 
 
 def _residual_add(seg: Segment) -> list[Op]:
-    """The add that ends a segment on one rank: its last product wrote "out"; here it writes "tmp",
-    which joins x (normed first where the part says)."""
-    last = seg.ops[-1]
-    last.dst = "tmp"
-    return [Op("add", "tmp", "x", last.part, w=seg.out_norm, scale=seg.scale)]
+    """The add that ends a segment on one rank: its last ops wrote "out" (a product, then its bias
+    where it has one); here they write "tmp", which joins x (normed first where the part says)."""
+    for op in seg.ops:  # on one rank "out" is x itself
+        op.src, op.dst = ("tmp" if op.src == "out" else op.src), ("tmp" if op.dst == "out" else op.dst)
+    return [Op("add", "tmp", "x", seg.ops[-1].part, w=seg.out_norm, scale=seg.scale)]

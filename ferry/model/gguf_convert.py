@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -177,10 +178,46 @@ def _rope_scaling(m, tensors: dict[str, np.ndarray]) -> dict | None:
     return out
 
 
+# A tensor of more floats than this is written as it is dequantized and not held: a big GGUF's
+# float32 weights are several times the memory its own blocks take.
+HELD_FLOATS = 1 << 20
+
+
+def write_float_weights(reader, path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of ``reader`` in float32 (``hf_tensors``) into a safetensors file at ``path``, one
+    at a time; returns them by name, those over HELD_FLOATS as zero-stride stand-ins of their shape
+    (what reading the config needs). CONFIG_TENSORS are returned, not written."""
+    import struct
+
+    spec = gguf_architecture(reader)
+    # The header's room, known before any tensor is: each entry's name (an expert's index in it)
+    # and its numbers fit in 256 bytes more than the name.
+    entries = [(hf_name(t.name, spec), int(t.shape.tolist()[-1]) if "{e}" in hf_name(t.name, spec) else 1)
+               for t in reader.tensors]
+    room = -(-(sum((len(name) + 256) * n for name, n in entries) + 64) // 8) * 8
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    out, pos = {}, 0
+    with open(path, "wb") as f:
+        f.seek(8 + room)
+        for name, _, _, a in hf_tensors(reader):
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            out[name] = a if a.size <= HELD_FLOATS else np.broadcast_to(np.zeros((), np.float32), a.shape)
+            if name.rsplit(".", 1)[0] in CONFIG_TENSORS:
+                continue
+            f.write(memoryview(a).cast("B"))
+            header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [pos, pos + a.nbytes]}
+            pos += a.nbytes
+        text = json.dumps(header).encode()
+        if len(text) > room:
+            raise RuntimeError(f"the safetensors header of {path.name} outgrew its room ({len(text)} > {room})")
+        f.seek(0)
+        f.write(struct.pack("<Q", room) + text + b" " * (room - len(text)))  # spaces: the format's padding
+    return out
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files for ``gguf_path`` into ``out_dir``."""
     from gguf import GGUFReader
-    from safetensors.numpy import save_file
 
     reader = GGUFReader(str(gguf_path))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
@@ -191,7 +228,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         return meta.get(f"{arch}.{key}", default)
 
     n_heads, n_kv = gguf_head_counts(reader)
-    tensors = {name: w for name, _, _, w in hf_tensors(reader)}
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = write_float_weights(reader, tmp / "model.safetensors")
     tied = "lm_head.weight" not in tensors
     emb = tensors[f"{spec.name_table()['embed'][0]}.weight"]
     config = {
@@ -214,10 +254,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.update(spec.gguf_configure(m, tensors))
     for name in CONFIG_TENSORS:  # what no architecture read is not a weight either
         tensors.pop(f"{name}.weight", None)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
@@ -228,8 +264,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         # An architecture transformers reads no GGUF config of (smollm3), or not this one's (Gemma 4's
-        # feed-forward widths per layer): its vocabulary still converts.
-        except (ValueError, StrictDataclassError):
+        # feed-forward widths per layer; llama.cpp's gpt-oss files, whose rope.scaling values it reads
+        # as arrays): its vocabulary still converts.
+        except (ValueError, TypeError, StrictDataclassError):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         pre = reader.fields.get("tokenizer.ggml.pre")
         _set_pre_tokenizer(tokenizer, pre.contents() if pre is not None else None)

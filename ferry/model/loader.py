@@ -66,7 +66,47 @@ def load_weights(config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> dic
             weights = unfuse(cached_gguf_weights(gguf, model_dir), cfg)
             set_activations(weights, config.quant_activations)
             return weights
-    return unfuse(load_safetensors(model_dir, cfg.arch.skip_prefixes), cfg)
+    weights = unfuse(load_safetensors(model_dir, cfg.arch.skip_prefixes), cfg)
+    set_activations(weights, config.quant_activations)  # blocks a checkpoint keeps (gpt-oss's MXFP4 experts)
+    return weights
+
+
+def mmproj_file(config: EngineConfig) -> Path | None:
+    """The mmproj GGUF ``config`` names, else the one beside its GGUF model file (``find_mmproj``)."""
+    from ferry.model.mmproj import find_mmproj
+
+    if config.mmproj is not None:
+        path = Path(config.mmproj).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"mmproj file {config.mmproj!r} does not exist")
+        return path
+    gguf = gguf_file(config.model) if config.model is not None else None
+    return find_mmproj(gguf) if gguf is not None else None
+
+
+def load_mmproj(config: EngineConfig, architecture: str) -> tuple[Any, str]:
+    """The vision tower (``ferry.model.mmproj.Mmproj``) of an image model's GGUF, or None (a text
+    model, or no mmproj given or found: its text alone runs), and the architecture whose images run:
+    a text GGUF's own, or the image model it forms with the mmproj (Gemma 3's text GGUF is a
+    Gemma3ForCausalLM, with its mmproj a Gemma3ForConditionalGeneration)."""
+    from ferry.model.arch.qwen3_vl import IMAGE_ARCHITECTURES
+    from ferry.model.mmproj import read_mmproj
+
+    path = mmproj_file(config)
+    if path is None:
+        return None, architecture
+    mmproj = read_mmproj(path)
+    image_architecture = mmproj.table.image_architecture(architecture)
+    if image_architecture is None:
+        if config.mmproj is None:  # found beside the file, of another family: the text runs alone
+            log.warning("ignoring %s (a %s tower) beside a %s model", path, mmproj.table.projector_type, architecture)
+            return None, architecture
+        if architecture not in IMAGE_ARCHITECTURES:
+            raise ValueError(f"mmproj {config.mmproj!r}: the model ({architecture}) takes no images")
+        raise ValueError(f"mmproj {config.mmproj!r} (projector type {mmproj.table.projector_type!r}) is not a "
+                         f"tower of {architecture}")
+    log.info("vision tower from %s", path)
+    return mmproj, image_architecture
 
 
 def load_safetensors(model_dir: Path, skip: tuple[str, ...] = (), only: tuple[str, ...] = ()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ferry.core.multimodal import ImageFeature
+from ferry.model.arch.idefics3 import IDEFICS3_ARCHITECTURES
 from ferry.model.arch.qwen3_vl import IMAGE_ARCHITECTURES, column_axes, mrope_section, rope_positions
 from ferry.model.layers.vision import Qwen3VLVision, VisionOutput
 from ferry.model.loader import load_safetensors
@@ -71,12 +72,30 @@ class ImageEncoder:
         self.num_encoded = 0  # images run through the tower (a preempted request's again)
 
     @classmethod
-    def load(cls, model_dir: Path, architecture: str, dtype: torch.dtype, device: torch.device
-             ) -> "ImageEncoder | None":
-        """The tower of a model directory whose architecture takes images, else None."""
+    def load(cls, model_dir: Path, architecture: str, dtype: torch.dtype, device: torch.device,
+             mmproj: Any = None) -> "ImageEncoder | None":
+        """The tower of a model directory whose architecture takes images, else None; ``mmproj``
+        (``ferry.model.mmproj.Mmproj``): the tower of a GGUF's directory, which has none of its own
+        (without one such a directory runs its text alone)."""
         if architecture not in IMAGE_ARCHITECTURES:
             return None
+        if architecture in IDEFICS3_ARCHITECTURES:  # SigLIP tiles and a pixel-shuffle connector
+            from ferry.model.idefics3_images import Idefics3Encoder
+
+            return Idefics3Encoder.load(Path(model_dir), dtype, device, mmproj)
+        if architecture == "Gemma3ForConditionalGeneration":  # SigLIP and a pooling projector
+            from ferry.model.gemma3_images import Gemma3Encoder
+
+            return Gemma3Encoder.load(Path(model_dir), dtype, device, mmproj)  # type: ignore[return-value]
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        if mmproj is not None:
+            if architecture not in mmproj.table.architectures:
+                raise ValueError(f"mmproj {str(mmproj.path)!r} (projector type {mmproj.table.projector_type!r}) "
+                                 f"is not a tower of {architecture}")
+            config = {**config, **mmproj.config, "vision_config": mmproj.vision_config}
+            return cls(config, {k: torch.from_numpy(v) for k, v in mmproj.tensors.items()}, dtype, device)
+        if "vision_config" not in config:  # a text GGUF of an image model, given no mmproj
+            return None
         return cls(config, load_safetensors(Path(model_dir), only=("model.visual.",)), dtype, device)
 
     def encode(self, image: ImageFeature) -> VisionOutput:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.core.multimodal import ImageFeature
+from ferry.model.arch.idefics3 import IDEFICS3_ARCHITECTURES
 from ferry.model.arch.qwen3_vl import IMAGE_ARCHITECTURES
 
 # transformers' processors are loaded lazily and are not safe to load from two threads at once.
@@ -38,32 +39,64 @@ def model_architecture(model_dir: Path) -> str | None:
     return archs[0]
 
 
+def load_prompter_parts(model_dir: Path, tokenizer: Any = None, preprocessor: dict[str, Any] | None = None
+                        ) -> tuple[Any, Any]:
+    """An image prompter's tokenizer (``tokenizer``, else the directory's) and transformers' image
+    processor of the directory, or of ``preprocessor`` (preprocessor_config.json's fields, an
+    mmproj's) in place of its file."""
+    from transformers import AutoImageProcessor
+
+    if tokenizer is None:
+        from ferry.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(model_dir)
+    with _LOAD_LOCK:
+        if preprocessor is None:
+            return tokenizer, AutoImageProcessor.from_pretrained(str(model_dir))
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:  # through a file: transformers picks the class as for a directory
+            (Path(tmp) / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+            return tokenizer, AutoImageProcessor.from_pretrained(tmp)
+
+
 class ImagePrompter:
     """Qwen3-VL's (and Qwen3.5's) image prompt: ``<|vision_start|><|image_pad|><|vision_end|>`` per image."""
 
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     image_token = "<|image_pad|>"
 
-    def __init__(self, model_dir: Path, tokenizer: Any = None) -> None:
-        from transformers import AutoImageProcessor
-
+    def __init__(self, model_dir: Path, tokenizer: Any = None, preprocessor: dict[str, Any] | None = None) -> None:
+        """``preprocessor``: preprocessor_config.json's fields (an mmproj's, ``ferry.model.mmproj``)
+        in place of the directory's file."""
         self.model_dir = Path(model_dir)
-        if tokenizer is None:
-            from ferry.model.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer(self.model_dir)
-        self.tokenizer = tokenizer
-        with _LOAD_LOCK:
-            self.image_processor = AutoImageProcessor.from_pretrained(str(self.model_dir))
+        self.tokenizer, self.image_processor = load_prompter_parts(self.model_dir, tokenizer, preprocessor)
         self.merge_size = int(getattr(self.image_processor, "merge_size", 2))
         self.image_token_id = self._token_id(self.image_token)
 
     @classmethod
-    def for_model(cls, model_dir: Path | str, tokenizer: Any = None) -> ImagePrompter | None:
-        """The prompter of a model directory, or None for a model that takes no images."""
-        if model_architecture(Path(model_dir)) not in IMAGE_ARCHITECTURES:
+    def for_model(cls, model_dir: Path | str, tokenizer: Any = None, preprocessor: dict[str, Any] | None = None,
+                  mmproj: Any = None, architecture: str | None = None) -> ImagePrompter | None:
+        """The prompter of a model directory, or None for a model that takes no images.
+        ``preprocessor``: image rules in place of the directory's file; ``mmproj`` (a GGUF's tower,
+        ``ferry.model.mmproj.Mmproj``): its image rules and config fields, for a GGUF's directory
+        (which has neither); ``architecture``: the image model's, where config.json names its text model."""
+        architecture = architecture or model_architecture(Path(model_dir))
+        config = None
+        if mmproj is not None:
+            preprocessor, config = mmproj.preprocessor, {**mmproj.config, "vision_config": mmproj.vision_config}
+        if architecture not in IMAGE_ARCHITECTURES:
             return None
-        return cls(Path(model_dir), tokenizer)
+        if architecture in IDEFICS3_ARCHITECTURES:  # tiles, row/column markers and a global image
+            from ferry.multimodal.idefics3 import Idefics3Prompter
+
+            return Idefics3Prompter(Path(model_dir), tokenizer, preprocessor,  # type: ignore[return-value]
+                                    architecture, config)
+        if architecture == "Gemma3ForConditionalGeneration":  # <start_of_image> grown to its soft tokens
+            from ferry.multimodal.gemma3 import Gemma3Prompter
+
+            return Gemma3Prompter(Path(model_dir), tokenizer, preprocessor, config)
+        return cls(Path(model_dir), tokenizer, preprocessor)
 
     def _token_id(self, token: str) -> int:
         ids = self.tokenizer.encode(token)

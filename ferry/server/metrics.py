@@ -82,6 +82,10 @@ class ServerMetrics:
         self.itl = hist("ferry:inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("ferry:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = hist("ferry:request_queue_time_seconds", "Arrival to first scheduled.")
+        self.encoder_time = hist("ferry:encoder_time_seconds", "Vision encoder time per image encoded.")
+        self.encoder_images = counter("ferry:encoder_images", "Images run through the vision encoder.")
+        self.encoder_hits = counter("ferry:encoder_cache_hits", "Images whose encoder output was already "
+                                    "held (the same image in another request): not encoded again.")
 
     def _count_step(self, step: StepStats) -> None:
         self.num_drafts += step.num_drafts
@@ -92,6 +96,12 @@ class ServerMetrics:
                            (self.draft_tokens, step.num_draft_tokens), (self.accepted_tokens, step.num_accepted_tokens)):
             if n:
                 counter.inc(n)
+        for t in step.encoder_seconds:
+            self.encoder_time.observe(t)
+        if step.encoder_seconds:
+            self.encoder_images.inc(len(step.encoder_seconds))
+        if step.num_encoder_cache_hits:
+            self.encoder_hits.inc(step.num_encoder_cache_hits)
 
     def on_abort(self, n: int) -> None:
         """Requests aborted by their client (disconnects): they leave without a step output."""

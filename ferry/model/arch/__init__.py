@@ -55,6 +55,9 @@ class Architecture:
     # A safetensors checkpoint's tensors as the declarations name them, where it stores them otherwise
     # (gpt-oss: each layer's experts stacked, transposed, gate and up columns interleaved).
     checkpoint_tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # In prefill an image's tokens attend to every token of the same image, later ones included
+    # (Gemma 3; transformers' token_type_ids mask): the scheduler never cuts such an image across chunks.
+    bidirectional_images: bool = False
 
     def name_table(self) -> dict[str, tuple[str, str]]:
         """Every role's (Hugging Face, GGUF) names for this architecture."""
@@ -78,6 +81,9 @@ def _registry() -> dict[str, Architecture]:
              smollm3.ARCH, lfm2.ARCH, qwen3_5.ARCH, qwen3_5.MOE_ARCH, qwen3_5.VL_ARCH, qwen3_5.VL_MOE_ARCH,
              granite4.ARCH, nemotron_h.ARCH, qwen3_vl.ARCH, gpt_oss.ARCH]
     archs += [gemma4.ARCH, gemma4.MM_ARCH]
+    from ferry.model.arch import idefics3
+    archs += [idefics3.IDEFICS3_ARCH, idefics3.SMOLVLM_ARCH]
+    archs += [gemma3.MM_ARCH]
     return {a.hf_name: a for a in archs}
 
 

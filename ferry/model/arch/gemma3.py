@@ -54,3 +54,36 @@ def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[st
 # Its MLP's input norm is "pre_feedforward_layernorm"; "post_attention_layernorm" norms the attention's output.
 ARCH = Architecture("Gemma3ForCausalLM", "gemma3_text", gguf_name="gemma3", configure=configure, norm_offset=1.0,
                     gguf_configure=gguf_configure, names={"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm")})
+
+
+def _transformers5_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoints saved before transformers 4.52 keep the language model as language_model.model.*
+    and its head as language_model.lm_head.*: renamed as transformers 5 saves them."""
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
+    out = {}
+    for name, w in weights.items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = w
+    return out
+
+
+# The multimodal checkpoint: the language model above (its fields in text_config, its tensors under
+# model.language_model.) and a SigLIP tower with Gemma 3's projector (``ferry.model.gemma3_images``),
+# whose image tokens attend to each other both ways in prefill.
+_TEXT = {"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm"),
+         "embed": ("model.language_model.embed_tokens", "token_embd"),
+         "final_norm": ("model.language_model.norm", "output_norm")}
+TOWER_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+def mm_configure(d: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields; transformers' Gemma3ForConditionalGeneration applies no final
+    logit soft-cap (its published configs have none)."""
+    return {**configure(d), "final_logit_softcap": None}
+
+
+MM_ARCH = Architecture("Gemma3ForConditionalGeneration", "gemma3", configure=mm_configure, norm_offset=1.0,
+                       names=_TEXT, layer_prefix="model.language_model.layers", text_config=True,
+                       skip_prefixes=TOWER_PREFIXES, checkpoint_tensors=_transformers5_names,
+                       bidirectional_images=True)

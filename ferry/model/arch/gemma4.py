@@ -3,12 +3,12 @@ scaled by sqrt(hidden), norms before and after attention and MLP, a final logit 
 RMS norms, an attention scale of 1, a scale-less norm of v, global layers of their own head size
 (and KV heads, with k_eq_v) rotated in part ("proportional" rope), per-layer input embeddings added
 by a third block in each layer, a learned scalar on each layer's output, and the last
-``num_kv_shared_layers`` layers reading the K/V of the last earlier layer of their kind.
-The mixture-of-experts layers (enable_moe_block) are refused."""
+``num_kv_shared_layers`` layers reading the K/V of the last earlier layer of their kind. With
+enable_moe_block (26B-A4B) each feed-forward block adds routed experts to its MLP (Gemma4MoESpec)."""
 from typing import Any, Callable
 
 from ferry.model.arch import Architecture
-from ferry.model.arch.parts import Gemma4AttentionSpec, LayerSpec, MLPSpec, hidden_act
+from ferry.model.arch.parts import Gemma4AttentionSpec, Gemma4MoESpec, LayerSpec, MLPSpec, hidden_act
 
 
 def layer_kinds(d: dict[str, Any]) -> list[str]:
@@ -36,8 +36,6 @@ def kv_sources(kinds: list[str], shared: int) -> list[int | None]:
 def configure(d: dict[str, Any]) -> dict[str, Any]:
     from ferry.model.config import rope_scaling
 
-    if d.get("enable_moe_block"):
-        raise ValueError("config.json: Gemma 4's mixture-of-experts layers (enable_moe_block) are not supported")
     if d.get("attention_bias"):
         raise ValueError("config.json: Gemma 4 with attention_bias is not supported")
     if d.get("use_bidirectional_attention") == "all":
@@ -72,13 +70,55 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
                                     kv_heads=own.get("num_key_value_heads", kv), kv_source=sources[i],
                                     k_eq_v=k_eq_v and not sliding)
         wide = d.get("use_double_wide_mlp") and sources[i] is not None
-        layers.append(LayerSpec(mixer, MLPSpec(act, True, 2 * inter if wide else inter), width, scalar=True))
+        layers.append(LayerSpec(mixer, _mlp(d, act, 2 * inter if wide else inter), width, scalar=True))
     return {
         "layers": tuple(layers), "num_layers": n,
         "embed_scale": d["hidden_size"] ** 0.5, "final_logit_softcap": d.get("final_logit_softcapping"),
         "tie_word_embeddings": d.get("tie_word_embeddings", True), "head_dim": head_dim,
         "per_layer_input": width, "per_layer_vocab": d.get("vocab_size_per_layer_input") or d["vocab_size"],
     }
+
+
+def _mlp(d: dict[str, Any], act: str, inter: int) -> MLPSpec:
+    """A layer's feed-forward block: the GeGLU, or with enable_moe_block the GeGLU plus routed experts."""
+    if not d.get("enable_moe_block"):
+        return MLPSpec(act, True, inter)
+    missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not d.get(k)]
+    if missing:
+        raise ValueError(f"config.json: enable_moe_block without {', '.join(missing)}")
+    return Gemma4MoESpec(act, True, inter, num_experts=d["num_experts"], top_k=d["top_k_experts"],
+                         expert_intermediate=d["moe_intermediate_size"])
+
+
+def split_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """Each layer's experts as the declarations name them: a checkpoint's stacked gate_up_proj
+    [experts, 2 * intermediate, hidden] (each expert's gate rows first) and down_proj as one tensor
+    per expert and projection; from a GGUF (already one per expert) gate_up split in rows, the
+    router's scale (ffn_gate_inp.scale) and the per-expert scales (ffn_down_exps.scale, one per
+    expert) under transformers' names."""
+    import torch
+
+    from ferry.model.tensor_parallel import shard_rows
+
+    for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:  # transformers' stacked tensors
+        base = name[: -len("gate_up_proj")]
+        gate_up, down = weights.pop(name), weights.pop(base + "down_proj")
+        for e in range(gate_up.shape[0]):
+            weights[f"{base}{e}.gate_up_proj.weight"] = gate_up[e]
+            weights[f"{base}{e}.down_proj.weight"] = down[e]
+    for name in [n for n in weights if n.endswith(".gate_up_proj.weight") and ".experts." in n]:
+        w = weights.pop(name)
+        half, base = w.shape[0] // 2, name[: -len("gate_up_proj.weight")]
+        weights[base + "gate_proj.weight"] = shard_rows(w, 0, half)
+        weights[base + "up_proj.weight"] = shard_rows(w, half, 2 * half)
+    for name in [n for n in weights if n.endswith(".router.proj.scale")]:
+        weights[name[: -len("proj.scale")] + "scale"] = weights.pop(name)
+    for name in [n for n in weights if n.endswith(".experts.0.down_proj.scale")]:
+        base = name[: -len("0.down_proj.scale")]
+        count = sum(1 for n in weights if n.startswith(base) and n.endswith(".down_proj.scale"))
+        scales = [weights.pop(f"{base}{e}.down_proj.scale") for e in range(count)]
+        weights[base[: -len("experts.")] + "router.per_expert_scale"] = torch.stack([torch.as_tensor(x) for x in scales]).reshape(count)
+    return weights
 
 
 def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +143,9 @@ def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[st
         "intermediate_size": min(ff), "use_double_wide_mlp": max(ff) > min(ff),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
     }
+    if meta("expert_count", 0):
+        out.update(enable_moe_block=True, num_experts=meta("expert_count"), top_k_experts=meta("expert_used_count"),
+                   moe_intermediate_size=meta("expert_feed_forward_length"))
     if "model.embed_tokens_per_layer.weight" in tensors:
         out["vocab_size_per_layer_input"] = tensors["model.embed_tokens_per_layer.weight"].shape[0]
     if isinstance(kv, list):  # the global layers' own KV heads: k_eq_v
@@ -112,20 +155,33 @@ def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[st
 
 
 # Its MLP's input norm is "pre_feedforward_layernorm"; "post_attention_layernorm" norms the attention's output.
+# The experts block's tensors (Gemma4MoESpec). The router's scales' GGUF names are no tensor part
+# of llama.cpp's (which writes them as ffn_gate_inp.scale and ffn_down_exps.scale: split_experts
+# renames those); "expert_gate_up" names the experts' gate and up rows as both files keep them.
+_MOE = {"mlp_out_norm_1": ("post_feedforward_layernorm_1", "post_ffw_norm_1"),
+        "moe_norm": ("pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
+        "moe_out_norm": ("post_feedforward_layernorm_2", "post_ffw_norm_2"),
+        "router": ("router.proj", "ffn_gate_inp"), "router_scale": ("router", "ffn_gate_inp.scale"),
+        "expert_scale": ("router", "ffn_down_exps.scale"),
+        "expert_gate_up": ("experts.{e}.gate_up_proj", "ffn_gate_up_exps"),
+        "expert_gate": ("experts.{e}.gate_proj", "ffn_gate_exps"), "expert_up": ("experts.{e}.up_proj", "ffn_up_exps"),
+        "expert_down": ("experts.{e}.down_proj", "ffn_down_exps")}
 ARCH = Architecture("Gemma4ForCausalLM", "gemma4_text", gguf_name="gemma4", configure=configure,
-                    gguf_configure=gguf_configure, names={"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm")})
+                    gguf_configure=gguf_configure, checkpoint_tensors=split_experts,
+                    names={"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm"), **_MOE})
 
 
 # The checkpoints as published: the multimodal model, whose language model is the one above (its
 # fields in text_config, its tensors under model.language_model.); the vision and audio towers and
 # their embedders are not read.
-_TEXT = {"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm"),
+_TEXT = {"mlp_norm": ("pre_feedforward_layernorm", "ffn_norm"), **_MOE,
          "embed": ("model.language_model.embed_tokens", "token_embd"),
          "final_norm": ("model.language_model.norm", "output_norm"),
          "ple_embed": ("model.language_model.embed_tokens_per_layer", "per_layer_token_embd"),
          "ple_model_proj": ("model.language_model.per_layer_model_projection", "per_layer_model_proj"),
          "ple_model_norm": ("model.language_model.per_layer_projection_norm", "per_layer_proj_norm")}
 MM_ARCH = Architecture("Gemma4ForConditionalGeneration", "gemma4", configure=configure, names=_TEXT,
+                       checkpoint_tensors=split_experts,
                        layer_prefix="model.language_model.layers", text_config=True,
                        skip_prefixes=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
                                       "model.embed_audio."))

@@ -5,14 +5,21 @@ SwiGLU, (clamp(up) + 1) * g * sigmoid(alpha * g).
 
 The checkpoint stacks each layer's experts: ``mlp.experts.gate_up_proj`` [E, hidden, 2I] (gate and up
 columns interleaved) and ``down_proj`` [E, I, hidden], with ``*_bias`` beside them; ``split_experts``
-gives them the per-expert names the declarations read. llama.cpp's GGUF (``gpt-oss``) stores them
-split already, its experts in MXFP4 where the source was."""
+gives them the per-expert names the declarations read. The published checkpoints store the experts in
+MXFP4 instead: ``gate_up_proj_blocks`` [E, 2I, hidden / 32, 16] (uint8, two E2M1 codes a byte, the low
+nibble first) and ``gate_up_proj_scales`` [E, 2I, hidden / 32] (E8M0), ``down_proj_*`` likewise, rows
+being output features; they are kept in those blocks (GGML's MXFP4 layout, the same codes and scales)
+where the C kernels run, else dequantized. llama.cpp's GGUF (``gpt-oss``) stores them split already,
+its experts in MXFP4 where the source was."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ferry.model.arch import Architecture
 from ferry.model.arch.parts import ExpertsSpec, llama_layers
+
+if TYPE_CHECKING:  # the registry imports this module where torch is not loaded (ferry simulate)
+    import torch
 
 
 def configure(d: dict[str, Any]) -> dict[str, Any]:
@@ -27,9 +34,55 @@ def configure(d: dict[str, Any]) -> dict[str, Any]:
                                    experts=[True] * n, expert_spec=lambda: spec)}
 
 
+# E2M1's values (transformers' FP4_VALUES): a sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's MXFP4 ``blocks`` [..., n / 32, 16] and ``scales`` [..., n / 32] as GGML MXFP4
+    rows [..., n / 32 * 17]: per block its scale byte, then 16 bytes whose low nibbles are the
+    block's first 16 codes and high nibbles its last 16 (the checkpoint pairs codes 2j, 2j + 1)."""
+    import torch
+
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [..., n / 32, 32] in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2).contiguous()
+
+
+def mxfp4_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [..., n] of the checkpoint's MXFP4 blocks (transformers' convert_moe_packed_tensors)."""
+    import torch
+
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()
+    values = torch.tensor(E2M1)[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+def _mxfp4_experts(weights: dict[str, Any], base: str) -> None:
+    """A layer's MXFP4 experts as one weight per expert and projection (see ``split_experts``)."""
+    from ferry.model.kernels import load_kernels
+    from ferry.model.quant import QuantWeight
+
+    kept = load_kernels() is not None
+    for proj in ("gate_up_proj", "down_proj"):
+        blocks, scales = weights.pop(f"{base}{proj}_blocks"), weights.pop(f"{base}{proj}_scales")
+        k = blocks.shape[-2] * 32
+        rows = mxfp4_rows(blocks, scales) if kept else mxfp4_float(blocks, scales)
+        bias = weights.pop(f"{base}{proj}_bias")
+        for e in range(rows.shape[0]):
+            parts = {"gate_proj": (rows[e, 0::2], bias[e, 0::2]), "up_proj": (rows[e, 1::2], bias[e, 1::2])} \
+                if proj == "gate_up_proj" else {"down_proj": (rows[e], bias[e])}
+            for name, (w, b) in parts.items():
+                w = w.contiguous()
+                weights[f"{base}{e}.{name}.weight"] = QuantWeight(w, "MXFP4", (w.shape[0], k)) if kept else w
+                weights[f"{base}{e}.{name}.bias"] = b.contiguous()
+
+
 def split_experts(weights: dict[str, Any]) -> dict[str, Any]:
     """Each layer's stacked expert tensors as one tensor per expert and projection: gate and up the
-    even and odd columns of gate_up_proj, each matrix transposed to [out, in]."""
+    even and odd columns of gate_up_proj (rows of its MXFP4 blocks), each matrix transposed to [out, in]."""
+    for name in [n for n in weights if n.endswith(".mlp.experts.gate_up_proj_blocks")]:
+        _mxfp4_experts(weights, name[: -len("gate_up_proj_blocks")])
     for name in [n for n in weights if n.endswith(".mlp.experts.gate_up_proj")]:
         base = name[: -len("gate_up_proj")]
         gate_up, down = weights.pop(name), weights.pop(base + "down_proj")

@@ -110,12 +110,15 @@ def mamba2_gguf_fields(meta: Callable[..., Any], tensors: dict[str, Any], module
 
 
 def gguf_configure(meta: Callable[..., Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """config.json from llama.cpp's granitehybrid metadata: a layer with KV heads is attention, none
-    rotates; the muP scales; the experts one tensor each (as the GGUF's are split)."""
+    """config.json from llama.cpp's granitehybrid metadata: a layer holding attention tensors is
+    attention, none rotates; the muP scales; the experts one tensor each (as the GGUF's are split)."""
     if meta("rope.scaling.finetuned"):  # llama.cpp's flag for a hybrid that rotates: Bamba's files, not Granite 4's
         raise ValueError("a granitehybrid GGUF with rope (Bamba) is not one ferry reads")
     n = meta("block_count")
-    kv = per_layer(meta("attention.head_count_kv"), n)
+    # By the tensors, not head_count_kv: llama.cpp's converter run with transformers 5 (which renames
+    # layer_types to "full_attention") writes 0 KV heads for every layer.
+    k_proj = [tensors.get(f"model.layers.{i}.self_attn.k_proj.weight") for i in range(n)]
+    kv = [0 if k is None else k.shape[0] * meta("attention.head_count") // meta("embedding_length") for k in k_proj]
     shared = next(a.shape[0] for k, a in tensors.items() if k.endswith("shared_mlp.gate_proj.weight"))
     experts = meta("expert_count") or 0
     out = {"layer_types": ["attention" if k else "mamba" for k in kv], "num_key_value_heads": max(kv),

@@ -478,3 +478,31 @@ class Gemma4AttentionSpec(AttentionSpec):
             out += [] if self.k_eq_v else [TensorDecl("v", (kv, h), "rows:kv", "qkv")]
         out += [TensorDecl("o", (h, q), "cols:q"), TensorDecl("q_norm", (hd,), norm=True)]
         return out + ([TensorDecl("k_norm", (hd,), norm=True)] if self.kv_source is None else [])
+
+
+@dataclass(frozen=True)
+class Gemma4MoESpec(MLPSpec):
+    """Gemma 4's feed-forward block with routed experts (26B-A4B, enable_moe_block): of the block's
+    input x, the dense GeGLU of mlp_norm(x) normed by post_feedforward_layernorm_1, plus routed
+    experts of pre_feedforward_layernorm_2(x) normed by post_feedforward_layernorm_2; the sum is
+    the block's output (its out_norm, post_feedforward_layernorm, is the residual's). The router
+    reads x normed with no weight, times its own scale and hidden ** -0.5, takes the softmax's top k
+    renormalised, and weighs each chosen expert by its per_expert_scale."""
+
+    num_experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+
+    kind = "gemma4_moe"
+    reads_residual = True  # its norms are its own: the residual block hands it x unnormed
+
+    def tensors(self, c: "ModelConfig") -> list[TensorDecl]:
+        e, i, h = self.num_experts, self.expert_intermediate, c.hidden_size
+        return MLPSpec.tensors(self, c) + [
+            TensorDecl("mlp_out_norm_1", (h,), norm=True), TensorDecl("moe_norm", (h,), norm=True),
+            TensorDecl("moe_out_norm", (h,), norm=True), TensorDecl("router", (e, h), dense=True),
+            TensorDecl("router_scale", (h,), dense=True, suffix="scale"),
+            TensorDecl("expert_scale", (e,), dense=True, suffix="per_expert_scale"),
+            TensorDecl("expert_gate", (i, h), "rows:experts", "gate_up", experts=e),
+            TensorDecl("expert_up", (i, h), "rows:experts", "gate_up", experts=e),
+            TensorDecl("expert_down", (h, i), "cols:experts", experts=e)]

@@ -18,14 +18,28 @@ from ferry.model.arch.qwen3 import configure
 _TEXT = {"embed": ("model.language_model.embed_tokens", "token_embd"),
          "final_norm": ("model.language_model.norm", "output_norm")}
 
-ARCH = Architecture("Qwen3VLForConditionalGeneration", "qwen3_vl", configure=configure, names={**NAMES, **_TEXT},
-                    layer_prefix="model.language_model.layers", text_config=True, skip_prefixes=("model.visual.",))
+
+
+def gguf_configure(meta: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    """config.json's multimodal rope from llama.cpp's ``qwen3vl`` text GGUF (rope.dimension_sections:
+    the frequencies each of t, h, w turns; the tower's fields come from the mmproj)."""
+    sections = list(meta("rope.dimension_sections") or (24, 20, 20))[:3]
+    return {"rope_scaling": {"rope_type": "default", "mrope_section": sections, "mrope_interleaved": True}}
+
+
+ARCH = Architecture("Qwen3VLForConditionalGeneration", "qwen3_vl", gguf_name="qwen3vl", configure=configure,
+                    names={**NAMES, **_TEXT}, layer_prefix="model.language_model.layers", text_config=True,
+                    skip_prefixes=("model.visual.",), gguf_configure=gguf_configure)
 
 
 # The checkpoints whose images ferry runs: Qwen3-VL, and Qwen3.5 (the same vision tower without
 # deepstack, before its hybrid language model of ``ferry.model.arch.qwen3_5``).
 IMAGE_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                       "Qwen3_5MoeForConditionalGeneration")
+                       "Qwen3_5MoeForConditionalGeneration",
+                       # Idefics3 and SmolVLM: tiles through a SigLIP tower (``ferry.model.arch.idefics3``).
+                       "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
+                       # Gemma 3: a SigLIP tower and its pooling projector (``ferry.model.gemma3_images``).
+                       "Gemma3ForConditionalGeneration")
 
 
 def mrope_section(config: dict[str, Any]) -> list[int]:

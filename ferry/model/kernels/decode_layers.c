@@ -64,6 +64,159 @@ static int matmul_stack(const float *x, const void *w, int64_t type, const wpart
     return 0;
 }
 
+/* One row's routing: softmax of the router's logits (biased), the k largest (the lower expert first
+ * on a tie), their weights renormalised over the k where renorm (experts.py's route). */
+static void route_row(float *logits, const float *bias, int64_t E, int64_t top, int64_t renorm, int64_t *chosen,
+                      float *wts) {
+    for (int64_t e = 0; e < E; e++) logits[e] += bias ? bias[e] : 0.f;
+    float mx = logits[0], sum = 0.f; /* no infinities: the file builds with fast math */
+    for (int64_t e = 1; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    for (int64_t e = 0; e < E; e++) sum += logits[e] = expf(logits[e] - mx);
+    float kept = 0.f;
+    for (int64_t j = 0; j < top; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        chosen[j] = best;
+        kept += wts[j] = logits[best] / sum;
+    }
+    if (renorm)
+        for (int64_t j = 0; j < top; j++) wts[j] /= kept;
+}
+
+/* gpt-oss's clamped SwiGLU of one row: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the
+ * gate clamped above at limit; the sigmoid from e = exp(-|z|) <= 1 (fast math has no infinities). */
+static void swiglu_clamp(const float *gu, float *out, int64_t I, float alpha, float limit) {
+    for (int64_t i = 0; i < I; i++) {
+        const float g = gu[i] < limit ? gu[i] : limit;
+        const float u = gu[I + i] < -limit ? -limit : gu[I + i] > limit ? limit : gu[I + i];
+        const float z = alpha * g, e = expf(-fabsf(z));
+        out[i] = (u + 1.f) * (g * ((z < 0.f ? e : 1.f) / (1.f + e)));
+    }
+}
+
+/* OP_EXPERTS: dst = the routed experts of src's rows. w: the router [E, k] float32; w2: its bias
+ * [E] then the clamped SwiGLU's alpha and limit, then the shared expert's gate row [k] where it
+ * has one; parts: the E experts' gate_up products [2I, k], then their down products [n, I], then
+ * the shared expert's gate_up [2S, k] and down [n, S] where S; w3, w4: the experts' biases [E, 2I],
+ * [E, n] (or NULL); shape: E, the experts a row takes, I, renorm, act (0 SiLU, 1 GELU-tanh, 2
+ * clamped SwiGLU), S (0: no shared expert), gated (1: the shared output times sigmoid(x . its gate
+ * row)). Each expert runs once over its rows; dst sums their outputs by the router's weights in
+ * expert order, as experts.py's index_add does, then adds the shared expert's. */
+static int routed_experts(const decode_op_t *op, const float *x, int64_t ws, float *y, int64_t wd, int64_t B) {
+    const int64_t E = op->shape[0], top = op->shape[1], I = op->shape[2], renorm = op->shape[3], act = op->shape[4];
+    const int64_t K = op->k, N = op->n, S = op->shape[5], gated = op->shape[6], W = S > I ? S : I;
+    const float *bias = (const float *)op->w2, alpha = bias[E], limit = bias[E + 1];
+    float *logits = malloc(sizeof(float) * B * E), *wts = malloc(sizeof(float) * B * top);
+    float *xs = malloc(sizeof(float) * B * K), *gu = malloc(sizeof(float) * B * 2 * W);
+    float *a = malloc(sizeof(float) * B * W), *ys = malloc(sizeof(float) * B * N);
+    int64_t *chosen = malloc(sizeof(int64_t) * B * top), *pick = malloc(sizeof(int64_t) * B);
+    int status = logits && wts && xs && gu && a && ys && chosen && pick ? 0 : DECODE_OOM;
+    if (!status) {
+        for (int64_t b = 0; b < B; b++) memcpy(xs + b * K, x + b * ws, sizeof(float) * K);
+        skinny_gemm(xs, (const float *)op->w, logits, B, E, K);
+        for (int64_t b = 0; b < B; b++) route_row(logits + b * E, bias, E, top, renorm, chosen + b * top, wts + b * top);
+        for (int64_t b = 0; b < B; b++) memset(y + b * wd, 0, sizeof(float) * N);
+    }
+    for (int64_t e = 0; e < E && !status; e++) {
+        int64_t n = 0; /* its rows: pick[r] the (row, slot) index */
+        for (int64_t i = 0; i < B * top; i++)
+            if (chosen[i] == e) pick[n++] = i;
+        if (!n) continue;
+        for (int64_t r = 0; r < n; r++) memcpy(xs + r * K, x + pick[r] / top * ws, sizeof(float) * K);
+        matmul(xs, op->parts[e].w, op->parts[e].type, gu, n, 2 * I, K);
+        for (int64_t r = 0; r < n; r++) {
+            float *g = gu + r * 2 * I;
+            if (op->w3)
+                for (int64_t j = 0; j < 2 * I; j++) g[j] += ((const float *)op->w3)[e * 2 * I + j];
+            if (act == 2) swiglu_clamp(g, a + r * I, I, alpha, limit);
+            else gated_act(g, a + r * I, I, act);
+        }
+        matmul(a, op->parts[E + e].w, op->parts[E + e].type, ys, n, N, I);
+        for (int64_t r = 0; r < n; r++) {
+            const float *o = ys + r * N, wt = wts[pick[r]];
+            float *out = y + pick[r] / top * wd;
+            for (int64_t j = 0; j < N; j++)
+                out[j] += wt * (op->w4 ? o[j] + ((const float *)op->w4)[e * N + j] : o[j]);
+        }
+    }
+    if (S && !status) { /* the shared expert, on every row */
+        for (int64_t b = 0; b < B; b++) memcpy(xs + b * K, x + b * ws, sizeof(float) * K);
+        matmul(xs, op->parts[2 * E].w, op->parts[2 * E].type, gu, B, 2 * S, K);
+        for (int64_t b = 0; b < B; b++) gated_act(gu + b * 2 * S, a + b * S, S, act);
+        matmul(a, op->parts[2 * E + 1].w, op->parts[2 * E + 1].type, ys, B, N, S);
+        for (int64_t b = 0; b < B; b++) {
+            float z = 0.f, wt = 1.f;
+            if (gated) {
+                for (int64_t j = 0; j < K; j++) z += xs[b * K + j] * bias[E + 2 + j];
+                const float e = expf(-fabsf(z)); /* sigmoid without infinities, as swiglu_clamp's */
+                wt = (z < 0.f ? e : 1.f) / (1.f + e);
+            }
+            for (int64_t j = 0; j < N; j++) y[b * wd + j] += wt * ys[b * N + j];
+        }
+    }
+    free(logits), free(wts), free(xs), free(gu), free(a), free(ys), free(chosen), free(pick);
+    return status;
+}
+
+/* One head's RMS norm with no weight (Gemma 4's norm of v). */
+static void norm_plain(const float *x, float *out, int64_t D, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    const float r = 1.f / sqrtf(ss / D + eps);
+    for (int64_t i = 0; i < D; i++) out[i] = x[i] * r;
+}
+
+/* OP_HEADS_ROPE_KV: a layer of its own head counts and size (Gemma 4), rows packed: shape Hq, Hkv,
+ * D, mode, vnorm. src rows hold q, then (mode 0) k and v, (mode 1) k, which is also v before its
+ * norm (k_eq_v), (mode 2) nothing: the layer reads the K/V an earlier one wrote. q, k heads normed
+ * by w, w2 and rotated by the D-wide table; v's heads normed without a weight where vnorm; q to
+ * dst, k and v into the cache. */
+static void heads_rope_kv(const decode_op_t *op, const decode_dims_t *d, const float *src, float *dst, int64_t B,
+                          const int64_t *positions, const int64_t *slots) {
+    const int64_t Hq = op->shape[0], Hkv = op->shape[1], D = op->shape[2], mode = op->shape[3], vnorm = op->shape[4];
+    const int64_t kv = Hkv * D, ws = (Hq + (mode == 0 ? 2 : mode == 1 ? 1 : 0) * Hkv) * D;
+    ROWS(B, {
+        const float *row = src + b * ws;
+        float *q = dst + b * Hq * D;
+        const float *c = op->cos + positions[b] * D, *s = op->sin + positions[b] * D;
+        for (int64_t hh = 0; hh < Hq; hh++) rms_norm(row + hh * D, (const float *)op->w, q + hh * D, 1, D, d->eps);
+        rope(q, Hq, D, c, s);
+        if (mode != 2) {
+            float *k = malloc(sizeof(float) * 2 * kv), *v = k ? k + kv : NULL;
+            if (k) {
+                const float *kr = row + Hq * D, *vr = mode == 1 ? kr : kr + kv;
+                for (int64_t hh = 0; hh < Hkv; hh++) {
+                    rms_norm(kr + hh * D, (const float *)op->w2, k + hh * D, 1, D, d->eps);
+                    if (vnorm) norm_plain(vr + hh * D, v + hh * D, D, d->eps);
+                    else memcpy(v + hh * D, vr + hh * D, sizeof(float) * D);
+                }
+                rope(k, Hkv, D, c, s);
+                store_kv((char *)op->k_cache + kv_bytes(slots[b] * kv, d->kv), k, kv, d->kv);
+                store_kv((char *)op->v_cache + kv_bytes(slots[b] * kv, d->kv), v, kv, d->kv);
+                free(k);
+            }
+        }
+    });
+}
+
+/* OP_ACT_MUL: dst = act(src) * w's row (Gemma 4's per-layer input block), rows packed: shape n,
+ * w's row stride, gelu (1: GELU-tanh, 0: SiLU). */
+static void act_mul(const decode_op_t *op, const float *src, float *dst, int64_t B) {
+    const int64_t n = op->shape[0], stride = op->shape[1], gelu = op->shape[2];
+    const float *w = (const float *)op->w;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < n; j++) {
+            const float g = src[b * n + j], e = expf(-fabsf(g));
+            const float a = gelu ? 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)))
+                                 : g * ((g < 0.f ? e : 1.f) / (1.f + e));
+            dst[b * n + j] = a * w[b * stride + j];
+        }
+}
+
 /* Run ops[0..n_ops) over B rows. x is the residual stream [B, hidden], out a caller's buffer
  * (a tensor-parallel rank's partial sum, which it all-reduces); the others are allocated here,
  * d->width[i] floats a row. Adds each op's seconds to times[op.part]. Returns 0, or DECODE_OOM. */
@@ -177,6 +330,25 @@ int decode_ops(const decode_op_t *ops, int64_t n_ops, const decode_dims_t *d, fl
                                    op->w3, op->w4, op->shape, d->eps)
                          ? DECODE_OOM
                          : 0;
+            break;
+        case OP_EXPERTS:
+            status = routed_experts(op, src, ws, dst, wd, B);
+            break;
+        case OP_HEADS_ROPE_KV:
+            heads_rope_kv(op, d, src, dst, B, positions, slots);
+            break;
+        case OP_HEADS_ATTENTION: /* paged attention of a layer's own head counts and size (shape Hq, Hkv, D), rows packed */
+            paged_decode_attention(src, op->k_cache, op->v_cache, tables, lens, dst, B, op->shape[0], op->shape[1],
+                                   op->shape[2], d->block_size, max_blocks, op->scale, op->n, d->kv, NULL);
+            break;
+        case OP_GATED_ACT_N: /* the gated activation of n columns, rows packed (widths differing by layer) */
+            ROWS(B, gated_act(src + b * 2 * op->n, dst + b * op->n, op->n, op->k));
+            break;
+        case OP_ACT_MUL:
+            act_mul(op, src, dst, B);
+            break;
+        case OP_SCALE: /* dst *= scale (Gemma 4's layer scalar on the residual stream) */
+            for (int64_t j = 0; j < B * wd; j++) dst[j] *= op->scale;
             break;
         default:
             status = DECODE_BAD_OP;

@@ -19,6 +19,12 @@ enum {
     OP_GATE,       /* dst's heads *= sigmoid(their output gates in src) (Qwen3.5's gated attention) */
     OP_MAMBA2,     /* dst = Mamba2's gated-normed scan output of src's in-projection row (recurrent_decode.c) */
     OP_RELU2,      /* dst = max(src, 0)^2 */
+    OP_EXPERTS,    /* dst = the routed experts of src's rows (router, top k, gated MLPs; decode_layers.c) */
+    OP_HEADS_ROPE_KV,  /* rope_kv of a layer's own head counts and size, v normed, rows packed (Gemma 4) */
+    OP_HEADS_ATTENTION, /* attention of a layer's own head counts and size, rows packed (Gemma 4) */
+    OP_GATED_ACT_N,    /* dst = act(src's gate) * src's up of n columns, rows packed */
+    OP_ACT_MUL,        /* dst = act(src) * w's rows (Gemma 4's per-layer inputs) */
+    OP_SCALE,          /* dst *= scale */
     DECODE_OPS
 };
 

@@ -167,7 +167,8 @@ static inline __attribute__((always_inline)) void one_range(
 
 /* one_range for a (G, D) the switch below instantiates; returns 0 for another shape. One function
  * per cache type, so each stays as compact as the float32 one was. (D / V = 32: heads of 256 with
- * AVX2's 8 lanes, Qwen3.5's and Gemma's.) */
+ * AVX2's 8 lanes, Qwen3.5's and Gemma's; G 8 of them: Gemma 4 E2B's 8 query heads on one KV head,
+ * heads of 512 with AVX-512's 16 lanes.) */
 #define ONE_RANGE_ANY(name, KV) \
 static __attribute__((noinline)) int name(const float *q, const void *k, const void *v, const int64_t *table, \
         int64_t j0, int64_t j1, float *o, float *mx, float *sum, int64_t Hkv, int64_t D, int64_t G, \
@@ -177,7 +178,7 @@ static __attribute__((noinline)) int name(const float *q, const void *k, const v
         CASE(KV, 1, 4) CASE(KV, 2, 4) CASE(KV, 3, 4) CASE(KV, 4, 4) CASE(KV, 5, 4) CASE(KV, 6, 4) CASE(KV, 7, 4) \
         CASE(KV, 8, 4) CASE(KV, 1, 8) CASE(KV, 2, 8) CASE(KV, 3, 8) CASE(KV, 4, 8) CASE(KV, 5, 8) CASE(KV, 6, 8) \
         CASE(KV, 7, 8) CASE(KV, 8, 8) CASE(KV, 1, 16) CASE(KV, 2, 16) CASE(KV, 4, 16) CASE(KV, 8, 16) \
-        CASE(KV, 1, 32) CASE(KV, 2, 32) CASE(KV, 4, 32) \
+        CASE(KV, 1, 32) CASE(KV, 2, 32) CASE(KV, 4, 32) CASE(KV, 8, 32) \
         default: return 0; \
     } \
 }

@@ -1,5 +1,5 @@
 /* q8 products with weights packed by 16 rows (ferry.model.quant.pack_rows16), at every M: Q4_0,
- * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS.
+ * Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4.
  *
  * The file's layout keeps a row's blocks together, so a vector of levels holds 32 weights of ONE
  * row, and every product would end in sums across lanes or a turned copy of the levels. Packed,
@@ -53,6 +53,8 @@ static const layout_t LAYOUTS[] = {
     {QT_Q3_K, 2, 4, {{32, 64}, {0, 32}}, {{96, 4}, {100, 4}, {104, 4}, {108, 2}}},
     /* IQ4_XS: d, the high scale bits (16 bits), the low ones (4 bytes) */
     {QT_IQ4_XS, 1, 3, {{8, 128}}, {{0, 2}, {2, 2}, {4, 4}}},
+    /* MXFP4: IQ4_NL's nibbles, then the E8M0 scale bytes (mxfp4_levels8 and the others below) */
+    {QT_MXFP4, 1, 1, {{1, 16}}, {{0, 1}}},
 };
 #define N_LAYOUTS (int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0]))
 
@@ -96,7 +98,9 @@ static inline int chunks_of(int64_t t) { return qt_k(t) ? 8 : 1; }
 static inline int iq4(int64_t t) { return t == QT_IQ4_NL || t == QT_IQ4_XS; }
 static inline int has_qh(int64_t t) { return t == QT_Q5_0 || t == QT_Q5_1; }
 /* A 32-chunk's levels as 16 bytes of nibbles, the low ones first (not the K-quants' order). */
-static inline int nibble_pairs(int64_t t) { return t == QT_Q4_0 || t == QT_Q4_1 || has_qh(t) || iq4(t); }
+static inline int nibble_pairs(int64_t t) {
+    return t == QT_Q4_0 || t == QT_Q4_1 || has_qh(t) || iq4(t) || t == QT_MXFP4;
+}
 static inline int lines_bytes(int64_t t) {
     switch (t) {
         case QT_Q8_0: return 512;
@@ -152,6 +156,44 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t RB, int64_t T) {
 
 #define ISA_512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 
+/* MXFP4's records: IQ4_NL's lines of nibbles with the E2M1 levels (doubled, so integers: KVALUES_MXFP4),
+ * then the 16 rows' E8M0 scale bytes at d_at, each qt_e8m0_half's power of two, 2^(e - 128) (subnormal
+ * for e < 2). Its own functions, which levels16 / scales16 / levels8 / scales8 hand MXFP4 to. */
+__attribute__((target(ISA_512), always_inline)) static inline void mxfp4_levels16(const uint8_t *rec, __m512i *v,
+                                                                                  const int flip) {
+    const __m512i low = _mm512_set1_epi8(15), f80 = _mm512_set1_epi8(flip ? (char)0x80 : 0);
+    const __m512i tab = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4)), f80);
+    for (int L = 0; L < 4; L++) {
+        const __m512i raw = _mm512_loadu_si512(rec + 64 * L);
+        v[2 * L] = _mm512_shuffle_epi8(tab, _mm512_and_si512(raw, low));
+        v[2 * L + 1] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+}
+
+__attribute__((target(ISA_512), always_inline)) static inline __m512 mxfp4_scales16(const uint8_t *rec) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rec + d_at(QT_MXFP4))));
+    const __m512i norm = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(norm, _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), sub));
+}
+
+__attribute__((target("avx2"), always_inline)) static inline void mxfp4_levels8(const uint8_t *rec, int h, __m256i *v) {
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4));
+    for (int L = 0; L < 4; L++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 32 * h + 64 * L));
+        v[2 * L] = _mm256_shuffle_epi8(tab, _mm256_and_si256(raw, low));
+        v[2 * L + 1] = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+    }
+}
+
+__attribute__((target("avx2"), always_inline)) static inline __m256 mxfp4_scales8(const uint8_t *rec, int h) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + d_at(QT_MXFP4) + 8 * h)));
+    const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
 /* The 8 level vectors of 32-block chunk c of a record with 16 lanes: bytes 4i..4i+3 of lane n are
  * levels k_at(T, j) + i of row n; with flip, signed levels plus 128 (their sign bits flipped). */
 static inline int k_at(int64_t t, int j) { return nibble_pairs(t) ? (j & 1) * 16 + 4 * (j >> 1) : 4 * j; }
@@ -161,7 +203,9 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
     const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
     const __m512i four = _mm512_set1_epi8(4);
     const __m512i f80 = _mm512_set1_epi8(flip ? (char)0x80 : 0); /* flip: signed levels' sign bits flipped */
-    if (T == QT_Q8_0) {
+    if (T == QT_MXFP4) {
+        mxfp4_levels16(rec, v, flip);
+    } else if (T == QT_Q8_0) {
         for (int L = 0; L < 8; L++) v[L] = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * L), f80);
     } else if (T == QT_Q2_K || T == QT_Q3_K) { /* element 128 (c / 4) + 32 (c % 4) + l: bits 2 (c % 4) of qs
                                                   byte 32 (c / 4) + l; Q3_K's third, bit c of hmask byte l */
@@ -218,6 +262,10 @@ __attribute__((target(ISA_512), always_inline)) static inline void levels16(cons
  * group), as unpack_block / k_scales compute them. */
 __attribute__((target(ISA_512), always_inline)) static inline void scales16(const uint8_t *rec, const int64_t T, int c,
                                                                             __m512 *A, __m512 *B) {
+    if (T == QT_MXFP4) { /* before D: its scales are no float16 */
+        A[0] = mxfp4_scales16(rec);
+        return;
+    }
     const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + d_at(T))));
     const __m512i ff = _mm512_set1_epi32(0xff);
     if (T == QT_Q2_K) { /* scale bytes 2c, 2c + 1: d x (low nibble), -(dmin x high nibble) */
@@ -319,6 +367,10 @@ __attribute__((target(ISA_512), always_inline)) static inline void packed16_of(
 __attribute__((target("avx2"), always_inline)) static inline void levels8(const uint8_t *rec, const int64_t T, int c, int h,
                                                                           __m256i *v) {
     const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+    if (T == QT_MXFP4) {
+        mxfp4_levels8(rec, h, v);
+        return;
+    }
     rec += 32 * h;
     if (T == QT_Q8_0) {
         for (int L = 0; L < 8; L++) v[L] = _mm256_loadu_si256((const __m256i *)(rec + 64 * L));
@@ -376,6 +428,10 @@ __attribute__((target("avx2"), always_inline)) static inline void levels8(const 
 /* scales16 with 8 lanes. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void scales8(const uint8_t *rec, const int64_t T,
                                                                                    int c, int h, __m256 *A, __m256 *B) {
+    if (T == QT_MXFP4) { /* before D: its scales are no float16 */
+        A[0] = mxfp4_scales8(rec, h);
+        return;
+    }
     const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + d_at(T) + 16 * h)));
     const __m256i ff = _mm256_set1_epi32(0xff);
     if (T == QT_Q2_K) {
@@ -528,7 +584,8 @@ PACKED8(packed8_avxvnni, "avx2,fma,f16c,avxvnni", 1)
         case QT_Q8_0: EACH(CALL, QT_Q8_0); break; case QT_IQ4_NL: EACH(CALL, QT_IQ4_NL); break;      \
         case QT_Q2_K: EACH(CALL, QT_Q2_K); break; case QT_Q3_K: EACH(CALL, QT_Q3_K); break;          \
         case QT_Q4_K: EACH(CALL, QT_Q4_K); break; case QT_Q5_K: EACH(CALL, QT_Q5_K); break;          \
-        case QT_IQ4_XS: EACH(CALL, QT_IQ4_XS); break; default: EACH(CALL, QT_Q6_K); break;           \
+        case QT_IQ4_XS: EACH(CALL, QT_IQ4_XS); break; case QT_MXFP4: EACH(CALL, QT_MXFP4); break;    \
+        default: EACH(CALL, QT_Q6_K); break;                                                         \
     }
 /* The types whose levels q8_packed_gemm decodes once per chunk (costly_levels): the passes that
  * load decoded levels are compiled for these only. */

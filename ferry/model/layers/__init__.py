@@ -18,7 +18,7 @@ from ferry.model.layers.attention_nope import NoRopeAttention
 from ferry.model.layers.hybrid_experts import SigmoidExperts, StackedExperts
 from ferry.model.layers.mamba2 import Mamba2
 from ferry.model.layers.mlp import PlainMLP
-from ferry.model.layers.gemma4 import Gemma4Attention
+from ferry.model.layers.gemma4 import Gemma4Attention, Gemma4MoE
 
 # A declaration's kind -> the part that computes it: build(spec, weights by role, model facts).
 PARTS: dict[str, Callable[..., Any]] = {"attention": Attention.build, "mlp": GatedMLP.build,
@@ -28,4 +28,4 @@ PARTS: dict[str, Callable[..., Any]] = {"attention": Attention.build, "mlp": Gat
                                         "mamba2": Mamba2.build, "plain_mlp": PlainMLP.build,
                                         "attention_nope": NoRopeAttention.build,
                                         "stacked_experts": StackedExperts.build, "sigmoid_experts": SigmoidExperts.build,
-                                        "gemma4_attention": Gemma4Attention.build}
+                                        "gemma4_attention": Gemma4Attention.build, "gemma4_moe": Gemma4MoE.build}

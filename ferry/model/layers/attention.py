@@ -11,7 +11,7 @@ import torch
 
 from ferry.model.arch.parts import AttentionSpec
 from ferry.model.attention import paged_attention
-from ferry.model.fused_decode import NotFused, Op
+from ferry.model.fused_decode import Op
 from ferry.model.layers.context import StepContext
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.layers.norm import rms_norm
@@ -104,8 +104,6 @@ class Attention:
         return qk[:, :hq], qk[:, hq:], v, gate
 
     def ops(self, ctx: StepContext, cache: tuple[torch.Tensor, torch.Tensor]) -> list[Op]:
-        if self.o_bias is not None:
-            raise NotFused("an output bias (its models' experts decode through torch)")
         hq, hkv, hd = self.heads
         gated = self.output_gate
         n_qkv, hidden = (hq * (2 if gated else 1) + 2 * hkv) * hd, self.qkv.shape[1]
@@ -120,4 +118,7 @@ class Attention:
                    scale=self.scale, width=hq * hd)]
         if gated:
             ops.append(Op("gate", "qkv", "attn", "attention", n=hq, k=hd))
-        return ops + [Op("matmul", "attn", "out", "o_proj", w=self.o_proj, n=hidden, k=hq * hd, width=hidden)]
+        ops.append(Op("matmul", "attn", "out", "o_proj", w=self.o_proj, n=hidden, k=hq * hd, width=hidden))
+        if self.o_bias is not None:  # gpt-oss (one rank only: its plan refuses tensor parallelism)
+            ops.append(Op("bias", "out", "out", "o_proj", w=self.o_bias, n=hidden))
+        return ops

@@ -1,7 +1,7 @@
 """Routed experts: a router picks each token's top k experts, each a gated MLP; the outputs are
 summed by the router's weights, plus a shared expert's output scaled by sigmoid of its one-row gate
-where the model has one. gpt-oss adds biases (router, gate/up, down) and its clamped SwiGLU. No op
-in the fused C decode: such models decode through torch."""
+where the model has one. gpt-oss adds biases (router, gate/up, down) and its clamped SwiGLU. The
+fused C decode's op (decode_layers.c's routed_experts) does the same, the shared expert included."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ from ferry.model.fused_decode import NotFused, Op
 from ferry.model.layers.context import StepContext
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.layers.mlp import ACTIVATIONS
-from ferry.model.quant import packed
+from ferry.model.quant import RowStack, packed
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
@@ -65,8 +65,14 @@ class RoutedExperts:
 
     def forward(self, h: torch.Tensor, ctx: StepContext | None = None, cache: Any = None) -> torch.Tensor:
         """Each token's top-k experts, weighted; each expert runs once over all its tokens."""
-        use_kernel = ctx is not None and ctx.use_kernel
         weights, chosen = route(h, self.router, self.top_k, self.renorm, self.router_bias)
+        return self.mix(h, weights, chosen, ctx)
+
+    def mix(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+            ctx: StepContext | None = None) -> torch.Tensor:
+        """The experts ``chosen`` [T, top_k] of each token of ``h``, summed by ``weights`` (routed by
+        the caller: Gemma 4 routes on another norm of the block's input than its experts read)."""
+        use_kernel = ctx is not None and ctx.use_kernel
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         tokens = order // self.top_k
@@ -90,4 +96,30 @@ class RoutedExperts:
         return out
 
     def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
-        raise NotFused("routed experts")
+        return [experts_op(self, self.shared_gate_up, self.shared_down, self.shared_router)]
+
+
+def experts_op(experts: RoutedExperts, shared_gate_up: Weight | None = None, shared_down: Weight | None = None,
+               shared_router: torch.Tensor | None = None) -> Op:
+    """The fused C decode's op for ``experts``, plus a shared gated MLP on every row where given
+    (its output times sigmoid(h @ ``shared_router``) where that is given): decode_layers.c's
+    routed_experts."""
+    e = experts
+    shared = [] if shared_gate_up is None else [shared_gate_up, shared_down]
+    if any(isinstance(w, RowStack) for w in [*e.gate_up, *e.down, *shared]):
+        raise NotFused("experts whose products stack several quantized types")
+    act = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2}.get(e.act)
+    if act is None or (shared and act == 2):
+        raise NotFused(f"the fused C decode has no {e.act} experts{' with a shared one' if shared else ''}")
+    n_experts, hidden = e.router.shape
+    inter = e.gate_up[0].shape[0] // 2
+    # The router's bias, the clamped SwiGLU's alpha and limit, then the shared expert's gate row.
+    params = torch.cat([torch.zeros(n_experts) if e.router_bias is None else e.router_bias.float(),
+                        torch.tensor(e.swiglu, dtype=torch.float32),
+                        torch.zeros(0) if shared_router is None else shared_router.float().reshape(-1)])
+    stacked = [None if b is None else torch.stack(list(b)).float().contiguous()
+               for b in (e.gate_up_bias, e.down_bias)]
+    shared_inter = shared_gate_up.shape[0] // 2 if shared else 0
+    return Op("experts", "h", "out", "experts", w=e.router.float().contiguous(), w2=params.contiguous(),
+              w3=stacked[0], w4=stacked[1], n=hidden, k=hidden, width=hidden, experts=[*e.gate_up, *e.down, *shared],
+              shape=(n_experts, e.top_k, inter, int(e.renorm), act, shared_inter, int(shared_router is not None)))

@@ -2,8 +2,10 @@
 layers that read the K/V an earlier layer wrote this step instead of keeping their own), the
 per-layer input block after the MLP, and the per-layer input embeddings it reads.
 
-The fused C decode has no op for a per-row input (the per-layer embeddings), a norm of v or a
-layer's own head size: these parts raise NotFused and a Gemma 4 model decodes through torch.
+In the fused C decode the attention is ops of the layer's own head counts and size (rows packed:
+heads_rope_kv norms v and writes no K/V where the layer shares them, heads_attention), the
+per-layer input block multiplies by its share of a per-layer input buffer the decoder fills each
+step (act_mul). The experts block has no ops: a Gemma 4 with experts decodes through torch.
 """
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferry.model.arch.parts import Gemma4AttentionSpec, LayerSpec
+from ferry.model.arch.parts import Gemma4AttentionSpec, Gemma4MoESpec, LayerSpec
 from ferry.model.attention import paged_attention
 from ferry.model.fused_decode import NotFused, Op
 from ferry.model.layers.context import StepContext
+from ferry.model.layers.experts import RoutedExperts, route
 from ferry.model.layers.linear import Weight, linear
-from ferry.model.layers.mlp import ACTIVATIONS
+from ferry.model.layers.mlp import ACTIVATIONS, GatedMLP
 from ferry.model.layers.norm import rms_norm
 from ferry.model.layers.rope import apply_rope
-from ferry.model.quant import packed
+from ferry.model.quant import QuantWeight, dequantize, packed
 
 
 @dataclass
@@ -72,7 +75,15 @@ class Gemma4Attention:
         return linear(o, self.o_proj, use_kernel=kern)
 
     def ops(self, ctx: StepContext, cache: Any) -> list[Op]:
-        raise NotFused("the fused C decode has no norm of v nor per-layer head sizes (Gemma 4)")
+        hq, hkv, hd = self.heads
+        mode = 2 if self.shared else 1 if self.k_eq_v else 0  # K/V: k and v, k as v, none (read another's)
+        n_qkv, hidden = (hq + (2, 1, 0)[mode] * hkv) * hd, self.qkv.shape[1]
+        return [Op("matmul", "h", "qkv", "qkv", w=self.qkv, n=n_qkv, k=hidden, width=n_qkv, packed=True),
+                Op("heads_rope_kv", "qkv", "q", "rope", w=self.q_norm, w2=self.k_norm, cache=cache,
+                   rope=ctx.ropes[self.rope], width=hq * hd, packed=True, shape=(hq, hkv, hd, mode, 1)),
+                Op("heads_attention", "q", "attn", "attention", cache=cache, n=self.window or 0, scale=self.scale,
+                   width=hq * hd, packed=True, shape=(hq, hkv, hd)),
+                Op("matmul", "attn", "out", "o_proj", w=self.o_proj, n=hidden, k=hq * hd, width=hidden, packed=True)]
 
 
 @dataclass
@@ -95,7 +106,16 @@ class PerLayerInput:
         return linear(g * ctx.per_layer[:, self.index], self.proj, use_kernel=ctx.use_kernel)
 
     def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
-        raise NotFused("the fused C decode has no per-row input (Gemma 4's per-layer embeddings)")
+        """Reads x itself (its residual block has no norm); its per-layer input from ``ctx.per_layer``,
+        the decoder's buffer of every row's per-layer inputs, filled before each fused step."""
+        if ctx.per_layer is None or self.act not in ("gelu_tanh", "silu"):
+            raise NotFused("no per-layer input buffer")
+        width, hidden = self.gate.shape[0], self.gate.shape[1]
+        rows = ctx.per_layer[:, self.index]  # this layer's share of each row: a view, rows layers * width apart
+        return [Op("matmul", "x", "gu", "gate_up", w=self.gate, n=width, k=hidden, width=width, packed=True),
+                Op("act_mul", "gu", "act", "act", w=rows, width=width, packed=True,
+                   shape=(width, rows.stride(0), int(self.act == "gelu_tanh"))),
+                Op("matmul", "act", "out", "down", w=self.proj, n=hidden, k=width, width=hidden, packed=True)]
 
 
 @dataclass
@@ -103,7 +123,7 @@ class PerLayerInputs:
     """Every layer's per-layer input of each token, [T, layers, width]: (norm(proj(x) / sqrt(hidden))
     + the token's per-layer embedding * sqrt(width)) / sqrt(2), x the scaled token embedding."""
 
-    embed: torch.Tensor  # [per-layer vocabulary, layers * width]
+    embed: Weight  # [per-layer vocabulary, layers * width] (kept quantized where the file is)
     proj: Weight  # [layers * width, hidden]
     norm: torch.Tensor  # [width]
     layers: int
@@ -111,7 +131,47 @@ class PerLayerInputs:
 
     def __call__(self, input_ids: torch.Tensor, x: torch.Tensor, eps: float, use_kernel: bool) -> torch.Tensor:
         T = input_ids.shape[0]
-        token = self.embed[input_ids] * torch.tensor(self.width ** 0.5, dtype=self.embed.dtype)
+        # A quantized file's embedding (llama.cpp's Q4_K_M) gives up only the rows looked up.
+        rows = dequantize(self.embed, input_ids) if isinstance(self.embed, QuantWeight) else self.embed[input_ids]
+        token = rows * torch.tensor(self.width ** 0.5, dtype=rows.dtype)
         proj = linear(x, self.proj, use_kernel=use_kernel) * x.shape[1] ** -0.5
         proj = rms_norm(proj.reshape(T, self.layers, self.width), self.norm, eps)
         return (proj + token.reshape(T, self.layers, self.width)) * 2.0 ** -0.5
+
+
+@dataclass
+class Gemma4MoE:
+    """Gemma 4's feed-forward block with routed experts (Gemma4MoESpec): reads the block's input x
+    unnormed; its output is post_feedforward_layernorm_1(mlp(norm(x))) + post_feedforward_layernorm_2(
+    experts(pre_feedforward_layernorm_2(x))), routed on x normed with no weight, times the router's
+    scale and hidden ** -0.5, each chosen expert's weight times its per_expert_scale."""
+
+    norm: torch.Tensor  # pre_feedforward_layernorm: the dense MLP's input norm
+    mlp: GatedMLP
+    mlp_out_norm: torch.Tensor  # post_feedforward_layernorm_1
+    experts: RoutedExperts  # its router: router.proj; its top k renormalised
+    experts_norm: torch.Tensor  # pre_feedforward_layernorm_2
+    experts_out_norm: torch.Tensor  # post_feedforward_layernorm_2
+    router_scale: torch.Tensor  # [hidden]
+    expert_scale: torch.Tensor  # [experts]
+    end = "down"
+
+    @classmethod
+    def build(cls, spec: Gemma4MoESpec, w: dict[str, Any], facts: Any) -> "Gemma4MoE":
+        experts = RoutedExperts(w["router"], [packed(x) for x in w["expert_gate_up"]],
+                                [packed(x) for x in w["expert_down"]], spec.top_k, True, spec.act)
+        return cls(w["mlp_norm"], GatedMLP.build(spec, w, facts), w["mlp_out_norm_1"], experts, w["moe_norm"],
+                   w["moe_out_norm"], w["router_scale"], w["expert_scale"])
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: Any = None) -> torch.Tensor:
+        eps, kern = ctx.eps, ctx.use_kernel
+        dense = rms_norm(self.mlp.forward(rms_norm(x, self.norm, eps, kern), ctx), self.mlp_out_norm, eps, kern)
+        # transformers' order: the unweighted norm, times the scale, times hidden ** -0.5.
+        r = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * self.router_scale * x.shape[-1] ** -0.5
+        weights, chosen = route(r, self.experts.router, self.experts.top_k, True)
+        weights = weights * self.expert_scale.float()[chosen]
+        moe = self.experts.mix(rms_norm(x, self.experts_norm, eps, kern), weights, chosen, ctx)
+        return dense + rms_norm(moe, self.experts_out_norm, eps, kern)
+
+    def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
+        raise NotFused("Gemma 4's experts block (two norms of the residual, a scaled router)")

@@ -1,7 +1,8 @@
 """The Mamba2 hybrids' experts. Granite 4: softmax routing over gated experts stored stacked, plus a
 shared gated MLP. Nemotron-H (Nemotron 3): sigmoid scores with a correction bias and group-limited
 top-k, non-gated experts (in a latent space where the model has one), plus a shared non-gated MLP.
-No op in the fused C decode: such models decode through torch."""
+Granite 4's block decodes in the fused C decode (the experts op with its shared MLP); Nemotron-H's
+has no op there, and such models decode through torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from ferry.model.arch.parts import SigmoidExpertsSpec, StackedExpertsSpec
 from ferry.model.fused_decode import NotFused, Op
 from ferry.model.layers.context import StepContext
-from ferry.model.layers.experts import RoutedExperts
+from ferry.model.layers.experts import RoutedExperts, experts_op
 from ferry.model.layers.linear import Weight, linear
 from ferry.model.layers.mlp import PLAIN_ACTIVATIONS, GatedMLP
 from ferry.model.quant import packed
@@ -42,7 +43,7 @@ class StackedExperts:
         return self.experts.forward(h, ctx) + self.shared.forward(h, ctx)
 
     def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
-        raise NotFused("routed experts")
+        return [experts_op(self.experts, self.shared.gate_up, self.shared.down)]
 
 
 def sigmoid_route(h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, spec: SigmoidExpertsSpec

@@ -28,11 +28,13 @@ class GatedMLP:
     gate_up: Weight  # [2 * intermediate, hidden]
     down: Weight
     act: str = "silu"
+    # Its fused-decode rows packed (gated_act_n): layers of their own widths (Gemma 4's double-wide MLPs).
+    packed_rows: bool = False
     end = "down"  # the profiler's name for the residual add after it
 
     @classmethod
     def build(cls, spec: MLPSpec, w: dict[str, Any], facts: Any) -> "GatedMLP":
-        return cls(packed(w["gate_up"]), packed(w["down"]), spec.act)
+        return cls(packed(w["gate_up"]), packed(w["down"]), spec.act, spec.intermediate is not None)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, cache: Any = None) -> torch.Tensor:
         gate_up = linear(h, self.gate_up, use_kernel=ctx.use_kernel)
@@ -47,6 +49,11 @@ class GatedMLP:
 
     def ops(self, ctx: StepContext, cache: Any = None) -> list[Op]:
         inter, hidden = self.gate_up.shape[0] // 2, self.gate_up.shape[1]
+        if self.packed_rows:
+            gelu = int(self.act == "gelu_tanh")
+            return [Op("matmul", "h", "gu", "gate_up", w=self.gate_up, n=2 * inter, k=hidden, width=2 * inter, packed=True),
+                    Op("gated_act_n", "gu", "act", "act", n=inter, k=gelu, width=inter, packed=True),
+                    Op("matmul", "act", "out", "down", w=self.down, n=hidden, k=inter, width=hidden, packed=True)]
         return [Op("matmul", "h", "gu", "gate_up", w=self.gate_up, n=2 * inter, k=hidden, width=2 * inter),
                 Op("gated_act", "gu", "act", "act", n=int(self.act == "gelu_tanh"), width=inter),
                 Op("matmul", "act", "out", "down", w=self.down, n=hidden, k=inter, width=hidden)]
