@@ -40,12 +40,13 @@ def ferry_ttft(args: argparse.Namespace, out: Path) -> float:
 def llama_ttft(args: argparse.Namespace, image: Path) -> tuple[float, float, float, int]:
     """llama.cpp's (first-token s, encode s, prompt eval s, prompt tokens) of one `llama-mtmd-cli` run."""
     cmd = [str(Path(args.llama_bin) / "llama-mtmd-cli"), "-m", args.model, "--mmproj", args.mmproj,
-           "--image", str(image), "-p", PROMPT, "-n", "1", "-t", "2", "--temp", "0", "-c", "4096"]
+           "--image", str(image), "-p", PROMPT, "-n", "1", "-t", "2", "--temp", "0", "-c", "4096", *args.llama_args.split()]
     p = subprocess.run(cmd, capture_output=True, text=True)
     log = p.stdout + p.stderr
     if p.returncode != 0:
         raise RuntimeError(f"llama-mtmd-cli failed:\n{log[-3000:]}")
-    enc = sum(float(m) for m in re.findall(r"image slice encoded in (\d+) ms", log)) / 1e3
+    # Older builds print each slice's time, newer ones the whole batch's.
+    enc = sum(float(m) for m in re.findall(r"(?:image slice encoded in|mtmd batch encoding done in) (\d+) ms", log)) / 1e3
     m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log)
     if m is None or not enc:
         raise RuntimeError(f"no timings in llama-mtmd-cli's output:\n{log[-3000:]}")
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=40, help="ferry's text tokens beside the image")
     p.add_argument("--num-runs", type=int, default=3, help="ferry's runs per invocation (median)")
     p.add_argument("--repeats", type=int, default=3, help="alternated invocations of each")
+    p.add_argument("--llama-args", default="", help="more `llama-mtmd-cli` arguments, one string (e.g. \"-nr\")")
     p.add_argument("--ferry-args", nargs=argparse.REMAINDER, default=[], help="more `ferry bench` arguments")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
