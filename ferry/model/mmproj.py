@@ -270,7 +270,8 @@ def _siglip_names(tower: str) -> dict[str, str]:
 _IDEFICS3_NAMES = {**_siglip_names("vision_model."), "mm.model.fc": "connector.modality_projection.proj"}
 
 
-def _idefics3_vision_config(meta: Meta, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+def _siglip_vision_config(meta: Meta, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A SigLIP tower's vision_config from an mmproj's metadata (Idefics3 / SmolVLM, Gemma 3)."""
     return {
         "hidden_size": meta("clip.vision.embedding_length"), "intermediate_size": meta("clip.vision.feed_forward_length"),
         "num_hidden_layers": meta("clip.vision.block_count"), "num_attention_heads": meta("clip.vision.attention.head_count"),
@@ -292,7 +293,7 @@ def _idefics3_preprocessor(meta: Meta) -> dict[str, Any]:
 IDEFICS3 = register_projector(ProjectorTable(
     "idefics3", ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration"), "model.",
     _IDEFICS3_NAMES,
-    _idefics3_vision_config, _idefics3_preprocessor,
+    _siglip_vision_config, _idefics3_preprocessor,
     config=lambda meta: {"scale_factor": int(meta("clip.vision.projector.scale_factor", 2))},
     text_architectures=("LlamaForCausalLM",)))
 
@@ -302,16 +303,6 @@ IDEFICS3 = register_projector(ProjectorTable(
 _GEMMA3_TOWER = "vision_tower.vision_model."
 _GEMMA3_NAMES = {**_siglip_names(_GEMMA3_TOWER), "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
                  "mm.input_projection": "multi_modal_projector.mm_input_projection"}
-
-
-def _gemma3_vision_config(meta: Meta, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {
-        "hidden_size": meta("clip.vision.embedding_length"), "intermediate_size": meta("clip.vision.feed_forward_length"),
-        "num_hidden_layers": meta("clip.vision.block_count"), "num_attention_heads": meta("clip.vision.attention.head_count"),
-        "image_size": meta("clip.vision.image_size"), "patch_size": meta("clip.vision.patch_size"),
-        "layer_norm_eps": _decimal([meta("clip.vision.attention.layer_norm_epsilon", 1e-6)])[0],
-        "hidden_act": "gelu_pytorch_tanh" if meta("clip.use_gelu", True) else "silu",
-    }
 
 
 def _gemma3_config(meta: Meta) -> dict[str, Any]:
@@ -338,5 +329,5 @@ def _gemma3_finish(tensors: dict[str, np.ndarray], vc: dict[str, Any]) -> dict[s
 
 
 GEMMA3 = register_projector(ProjectorTable(
-    "gemma3", ("Gemma3ForConditionalGeneration",), "", _GEMMA3_NAMES, _gemma3_vision_config, _gemma3_preprocessor,
+    "gemma3", ("Gemma3ForConditionalGeneration",), "", _GEMMA3_NAMES, _siglip_vision_config, _gemma3_preprocessor,
     _gemma3_finish, config=_gemma3_config, text_architectures=("Gemma3ForCausalLM",)))
