@@ -27,7 +27,7 @@ TIERS: dict[str, tuple[str, ...]] = {
                      "test_quant.py::test_kernels_built_for_avx2_only_give_the_same_products"),
     # the HTTP server: a `ferry serve` subprocess (tests/test_server.py's server(),
     # test_server_hardening.py's logged_server()), or the app on a thread (serve_in_thread)
-    "server": ("test_server_image_families.py",
+    "server": ("test_server_image_families.py", "test_server_mmproj.py",
                "test_server.py", "test_server_hardening.py", "test_server_robustness.py",
                "test_server_structured.py", "test_server_grammar_hardening.py",
                "test_server_responses_hardening.py", "test_server_templates_tools.py",

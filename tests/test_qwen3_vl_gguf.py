@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from ferry import LLM, SamplingParams
+from ferry.model.gguf_convert import default_cache_dir
 from ferry.model.mmproj import find_mmproj, read_mmproj
 from ferry.multimodal.processor import ImagePrompter
 from tests.gguf_vl import HAVE_CONVERTER, convert
-from tests.vl_models import hf_config, image
+from tests.vl_models import CHAT_TEMPLATE, hf_config, image
 
 pytestmark = pytest.mark.skipif(not HAVE_CONVERTER, reason="no llama.cpp source tree here")
 
@@ -28,7 +29,8 @@ TOL = 1e-4
 def make_model(path: Path):
     """The tiny Qwen3-VL of ``tests.vl_models`` over SmolLM2's vocabulary (a tokenizer llama.cpp's
     converter knows) plus the vision tokens; the image processor's limits are llama.cpp's defaults
-    (8 to 4096 tokens) so the directory's rules and the mmproj's agree."""
+    (8 to 4096 tokens) so the directory's rules and the mmproj's agree; a chat template of Qwen's image
+    placeholder (the converter writes it into the text GGUF) so a chat with images renders."""
     import transformers as tf
 
     from ferry.model.loader import resolve_model_dir
@@ -50,6 +52,7 @@ def make_model(path: Path):
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(path))
     tf.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.4, 0.3],
                              image_std=[0.2, 0.3, 0.25],
@@ -93,6 +96,12 @@ def pair(tmp_path_factory):
     ggufs.mkdir()
     text = convert(model_dir, ggufs / "tiny-qwen3vl-F32.gguf", "f32")
     mmproj = convert(model_dir, ggufs / "mmproj-tiny-qwen3vl-F32.gguf", "f32", mmproj=True)
+    # The converted models go to a cache of their own; the C kernels (keyed by their source's hash)
+    # are the ones already built, so neither this process nor a server it starts builds them again.
+    kernels = default_cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (root / "cache").mkdir()
+    (root / "cache" / "kernels").symlink_to(kernels)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FERRY_CACHE", str(root / "cache"))
         yield model_dir, text, mmproj, model, pad

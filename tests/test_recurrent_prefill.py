@@ -91,3 +91,26 @@ def test_the_kernel_equals_the_recurrence(tiled, T, hk, H, dk, dv):
     delta_rule_kernel(qs, ks, vs, decay, beta, slot, slot, out, norm=True, tiled=tiled)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(slot.double(), want_state, rtol=1e-4, atol=2e-5)
+
+
+def subnormal_survives() -> bool:
+    """Whether this thread computes subnormal floats (no flush-to-zero in force)."""
+    return bool((torch.tensor([1e-37]) / torch.tensor([1e3])).item() != 0.0)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C kernels here")
+def test_strong_decays_give_the_recurrence_and_leave_the_callers_float_mode():
+    """Decays of -40 a token (random gates reach them) drive the chunk's products under FLT_MIN, where
+    the kernels flush to zero for speed: outputs and state stay the float64 recurrence's, and the
+    calling thread computes subnormals afterwards as before."""
+    T, H, d = 2 * CHUNK + 5, 4, 32
+    q, k, v, _, beta, state = inputs(T, H, H, d, d, 11)
+    decay = -40 * torch.rand(T, H, generator=torch.Generator().manual_seed(12))
+    qn, kn = (F.normalize(x.double(), dim=-1, eps=0) for x in (q, k))
+    want, want_state = recurrence(qn * d ** -0.5, kn, v.double(), decay.double(), beta.double(), state.double()[None])
+    assert subnormal_survives()
+    out, slot = torch.empty(T, H, d), state.clone()
+    delta_rule_kernel(q, k, v, decay, beta, slot, slot, out, norm=True)
+    assert subnormal_survives()
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(slot.double(), want_state, rtol=1e-4, atol=2e-5)

@@ -19,15 +19,8 @@ from PIL import Image
 
 from tests.test_images_input import png_header, serve_locally
 from tests.test_server_hardening import logged_server
+from tests.vl_models import CHAT_TEMPLATE as TEMPLATE
 
-TEMPLATE = """{%- for m in messages -%}
-{%- if m.content is string -%}{{ m.content }} {% else -%}
-{%- for part in m.content -%}
-{%- if part.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|> {% else -%}{{ part.text }} {% endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}w1 {% endif -%}"""
 GREEDY = {"temperature": 0}  # sent as it is: this anthropic SDK takes no temperature argument
 IMAGE_TOKENS = 16 + 2  # a 64x64 image: 8-pixel patches merged 2x2, between vision_start and vision_end
 

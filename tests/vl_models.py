@@ -12,6 +12,15 @@ VOCAB = 320
 VISION_START, IMAGE_PAD, VIDEO_PAD, VISION_END, EOS = 300, 301, 302, 303, 319
 SPECIALS = {"<|vision_start|>": VISION_START, "<|image_pad|>": IMAGE_PAD, "<|video_pad|>": VIDEO_PAD,
             "<|vision_end|>": VISION_END, "<|endoftext|>": EOS}
+# A small chat template of Qwen's image placeholder: each image part, its vision tokens.
+CHAT_TEMPLATE = """{%- for m in messages -%}
+{%- if m.content is string -%}{{ m.content }} {% else -%}
+{%- for part in m.content -%}
+{%- if part.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|> {% else -%}{{ part.text }} {% endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}w1 {% endif -%}"""
 
 
 def hf_config():

@@ -116,12 +116,19 @@ def read_mmproj(path: Path | str) -> Mmproj:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"mmproj file {str(path)!r} does not exist")
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # gguf-py's words alone ("GGUF magic invalid") name neither the file nor its role
+        raise ValueError(f"mmproj {str(path)!r} is not a GGUF file ({e})") from e
     kind = projector_type(reader)
     if kind is None:
-        raise ValueError(f"{path}: not an mmproj GGUF (no clip.projector_type)")
+        arch = _meta_reader(reader)("general.architecture")
+        what = f"a text model's GGUF (architecture {arch!r})" if arch else "a GGUF without a vision tower"
+        raise ValueError(f"mmproj {str(path)!r} is {what}, not an mmproj GGUF (no clip.projector_type); give the "
+                         f"vision tower's file that convert_hf_to_gguf.py --mmproj writes (mmproj-*.gguf)")
     if kind not in PROJECTORS:
-        raise ValueError(f"{path}: unsupported projector type {kind!r}; ferry reads {', '.join(PROJECTORS)}")
+        raise ValueError(f"mmproj {str(path)!r}: unsupported projector type {kind!r}; "
+                         f"ferry reads {', '.join(PROJECTORS)}")
     table = PROJECTORS[kind]
     meta = _meta_reader(reader)
     tensors: dict[str, np.ndarray] = {}

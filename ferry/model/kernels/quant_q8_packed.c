@@ -1086,14 +1086,14 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_levels(
 #define AMX_AHEAD 4
 __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
         const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x, float *y, int64_t m0, int mr, int64_t N,
-        int nr, const int64_t T, const uint8_t *ahead) {
+        int nr, const int64_t T, const uint8_t *ahead, const uint8_t *pre) {
     const int64_t K = x->K, nq = nrec * chunks_of(T);
     const int OFF = qt_offset(T), SH = qt_shift(T), CH = chunks_of(T), G2 = qt_group(T) == 16;
     __m512 acc[16], o[16], sa[2][2], sb[2][2];
     uint8_t lv[AMX_AHEAD][512] __attribute__((aligned(64)));
     int32_t cs[2][2][16][16] __attribute__((aligned(64)));
     for (int r = 0; r < mr; r++) acc[r] = o[r] = _mm512_setzero_ps();
-    for (int64_t q = 0; q < AMX_AHEAD && q < nq; q++) amx_levels(g0, RB, q, T, lv[q]);
+    for (int64_t q = 0; !pre && q < AMX_AHEAD && q < nq; q++) amx_levels(g0, RB, q, T, lv[q]);
     for (int64_t q = 0; q <= nq; q++) {
         if (q < nq) { /* chunk q (block q of each row): scales and the tile product */
             const int64_t e = q / CH;
@@ -1103,10 +1103,10 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
             sa[p][0] = sa[p][1] = sb[p][0] = sb[p][1] = _mm512_setzero_ps();
             scales16(rec, T, c, sa[p], sb[p]);
             const int8_t *xq = x->q + m0 * K + 32 * q;
-            uint8_t *lvq = lv[q % AMX_AHEAD];
+            uint8_t *lvq = pre ? (uint8_t *)pre + 512 * q : lv[q % AMX_AHEAD];
             if (p) AMX_SUMS(4, 5, 6, 7, lvq, cs[1]);
             else AMX_SUMS(0, 1, 2, 3, lvq, cs[0]);
-            if (q + AMX_AHEAD < nq) amx_levels(g0, RB, q + AMX_AHEAD, T, lvq);
+            if (!pre && q + AMX_AHEAD < nq) amx_levels(g0, RB, q + AMX_AHEAD, T, lvq);
         }
         if (q > 0) { /* chunk q - 1's sums scaled into the rows, as packed16_of */
             const int64_t blk = q - 1;
@@ -1128,13 +1128,20 @@ __attribute__((target(ISA_AMX_T), always_inline)) static inline void amx_of(
         _mm512_mask_storeu_ps(y + (m0 + r) * N, (__mmask16)((1u << nr) - 1), OFF ? _mm512_add_ps(acc[r], o[r]) : acc[r]);
 }
 __attribute__((target(ISA_AMX_T))) static void amx_release(void) { _tile_release(); }
-#define amx_of_CALL(T) amx_of(g0, nrec, RB, x, y, m0, mr, N, nr, T, ahead)
+#define amx_of_CALL(T) amx_of(g0, nrec, RB, x, y, m0, mr, N, nr, T, ahead, lv)
 #define AMX_EACH(CALL, T) CALL(T)
+/* lv: the group's levels stored as B tiles by decode_amx, or NULL to decode them here. */
 __attribute__((target(ISA_AMX_T))) static void packed_amx(const uint8_t *g0, int64_t nrec, int64_t RB, const xrows_t *x,
                                                         float *y, int64_t m0, int mr, int64_t N, int nr, int64_t type,
                                                         const uint8_t *ahead, const uint8_t *lv) {
-    (void)lv; /* a tile pass covers 16 rows: its levels are decoded once per 16 rows already */
     TYPE_CASES(AMX_EACH, amx_of_CALL)
+}
+/* A group's levels as B tiles, 512 bytes a chunk: every tile pass of 16 rows then loads them. */
+#define amx_decode_CALL(T) \
+    for (int64_t q = 0; q < nrec * chunks_of(T); q++) amx_levels(g0, RB, q, T, lv + 512 * q)
+__attribute__((target(ISA_AMX_T))) static void decode_amx(const uint8_t *g0, int64_t nrec, int64_t RB, int64_t type,
+                                                        uint8_t *lv) {
+    TYPE_CASES(AMX_EACH, amx_decode_CALL)
 }
 
 /* With several passes of rows, each thread walks its groups in chunks of about CHUNK_BYTES, every
@@ -1193,10 +1200,13 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                                             packed_avx512vnni};
     static const pass_fn ONE[ISA_COUNT] = {NULL, one_avx2, one_avx2, packed_avxvnni, one_avx512vnni, one_avx512vnni};
     const int64_t nrec = x->K / qt_block(type), RB = 16 * qt_bytes(type), GB = nrec * RB, groups = (N + 15) / 16;
-    static const decode_fn DECODE[ISA_COUNT] = {NULL, decode_avx2, decode_avx2, decode_avx2, decode_avx512, NULL};
+    static const decode_fn DECODE[ISA_COUNT] = {NULL, decode_avx2, decode_avx2, decode_avx2, decode_avx512,
+                                                decode_amx};
     const int64_t chunk = CHUNK_BYTES / GB > 1 ? CHUNK_BYTES / GB : 1, LB = nrec * chunks_of(type) * 512;
-    /* AMX tiles take 16 rows a pass: no decoded levels for them. */
-    const int pre = (M + R - 1) / R >= PRE_PASSES && costly_levels(type) && DECODE[isa];
+    /* AMX: levels decoded once as tiles when two or more tile passes load them (every type: a tile
+     * pass's own decoding costs as much as its products); the vector passes of its tail decode their own. */
+    const int pre = isa == ISA_AMX ? M / 16 >= 2
+                                   : (M + R - 1) / R >= PRE_PASSES && costly_levels(type) && DECODE[isa];
     #pragma omp parallel
     {
         int tile_rows = 0; /* the rows this thread's tile config is for; 0: none loaded */
@@ -1217,7 +1227,7 @@ void q8_packed_gemm(const uint8_t *w, int64_t type, const xrows_t *x, float *y, 
                     const int nr = N - g * 16 < 16 ? (int)(N - g * 16) : 16;
                     (amx ? packed_amx : mr == 1 ? ONE[isa] : PASS[isa])(w + g * GB, nrec, RB, x, y + g * 16, m0, mr, N, nr, type,
                                                    m0 == 0 && !use && g + 2 < gb ? w + (g + 2) * GB : NULL,
-                                                   use && !amx ? lv + (g - c0) * LB : NULL);
+                                                   use && amx == (isa == ISA_AMX) ? lv + (g - c0) * LB : NULL);
                 }
             }
         }

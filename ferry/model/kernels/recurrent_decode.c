@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "ferry_kernels.h"
+#include "vec.h"
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -56,7 +57,10 @@ int gdn_decode(const float *in, int64_t in_stride, float *out, int64_t out_strid
         }
     }
     const int64_t per = hv / hk;
-#pragma omp parallel for schedule(static) if (B * hv >= 4)
+#pragma omp parallel if (B * hv >= 4)
+    {
+    const unsigned csr = ftz_begin();
+#pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * hv; bh++) {
         const int64_t b = bh / hv, h = bh % hv;
         const float *yb = y + b * C, *row = in + b * in_stride;
@@ -88,6 +92,8 @@ int gdn_decode(const float *in, int64_t in_stride, float *out, int64_t out_strid
         const float r = 1.0f / sqrtf(ss / dv + eps);
         float *ob = out + b * out_stride + h * dv;
         for (int64_t j = 0; j < dv; j++) ob[j] = norm_w[j] * (o[j] * r) * silu(z[j]);
+    }
+    ftz_end(csr);
     }
     free(y);
     return 0;
@@ -129,7 +135,10 @@ int mamba2_decode(const float *in, int64_t in_stride, float *out, int64_t out_st
     }
     for (int64_t b = 0; b < B; b++)
         conv_step(in + b * in_stride + inner, xbc + b * C, windows + slots[b] * (K - 1) * C, conv_w, conv_b, C, K, 1);
-#pragma omp parallel for schedule(static) if (B * H >= 4)
+#pragma omp parallel if (B * H >= 4)
+    {
+    const unsigned csr = ftz_begin();
+#pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, g = h / per;
         const float *x = xbc + b * C + h * P, *Bv = xbc + b * C + inner + g * N, *Cv = Bv + G * N;
@@ -148,6 +157,8 @@ int mamba2_decode(const float *in, int64_t in_stride, float *out, int64_t out_st
             }
             yb[p] = acc + Dskip[h] * x[p];
         }
+    }
+    ftz_end(csr);
     }
     const int64_t gw = inner / G;
     for (int64_t b = 0; b < B; b++) {

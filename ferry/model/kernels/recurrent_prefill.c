@@ -239,6 +239,7 @@ int gdn_prefill(const float *q, const float *k, const float *v, const float *g, 
     int oom = 0;
     #pragma omp parallel
     {
+        const unsigned csr = ftz_begin();
         float *w = malloc(sizeof(float) * floats);
         if (!w) {
             #pragma omp atomic write
@@ -248,6 +249,7 @@ int gdn_prefill(const float *q, const float *k, const float *v, const float *g, 
         for (int64_t h = 0; h < H; h++)
             if (w) gdn_head(q, k, v, g, beta, state_in, state_out, out, shape, h, w);
         free(w);
+        ftz_end(csr);
     }
     return oom;
 }
