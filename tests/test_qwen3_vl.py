@@ -98,6 +98,43 @@ def test_logprobs_and_greedy_tokens_match_transformers_with_chunks_cutting_image
     assert llm.engine.executor.images.cache == {} and llm.engine.scheduler.encoder_refs == {}
 
 
+def test_a_reset_prefix_cache_starts_the_encoder_cold_too(vl):
+    """A one-token request's image output stays until a next step; a reset of the prefix cache in
+    between forgets it, so the same image is encoded again (benchmarks' repeated runs, each reset,
+    measure the encoder each time)."""
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path)
+    enc, held = llm.engine.executor.images.encoder, llm.engine.executor.images.cache
+    ids, images = prompts[0]
+
+    def first_token() -> int:
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, images=[images])
+        return out[0].outputs[0].token_ids[0]
+
+    assert first_token() == refs[0][1][0] and enc.num_encoded == 1 and held  # held until a next step
+    llm.engine.reset_prefix_cache()
+    steps = record(llm)
+    assert first_token() == refs[0][1][0] and enc.num_encoded == 2
+    assert steps[0].freed_encoder_hashes == [images[0].hash] and steps[0].encoder_inputs
+
+
+def test_bookkeeping_of_a_step_that_runs_nothing_reaches_the_executor(vl):
+    """A step with no chunks is skipped by the engine; the encoder outputs it freed and the requests
+    that finished before it reach the executor with the next step that runs (else each idle moment
+    would keep an image's output and a request's state for good)."""
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path)
+    ex = llm.engine.executor
+    ids, images = prompts[0]
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, images=[images])
+    assert ex.images.cache and ex.states.requests  # the finished request's state and image output
+    assert llm.engine.step() == []  # nothing to run: the scheduler frees the output, the step is skipped
+    assert ex.images.cache
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert ex.images.cache == {} and len(ex.states.requests) == 1  # only the text request just run
+
+
+
 def test_the_encoder_budget_ends_a_chunk_before_an_image_that_does_not_fit(vl):
     path, model, prompter, prompts, refs = vl
     llm = engine(path, max_num_batched_tokens=64, max_num_encoder_tokens=16)

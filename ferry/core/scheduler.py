@@ -80,6 +80,7 @@ class Scheduler:
         self.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
         self.encoder_refs: dict[bytes, set[str]] = {}
         self._encoder_releases: list[tuple[bytes, str]] = []
+        self._unread: list[bytes] = []  # freed encoder outputs the executor has not been told of
         self._enc = _EncoderStep(self.encoder_budget)
         self.whole_images = whole_images
         self._seq = 0
@@ -199,12 +200,21 @@ class Scheduler:
 
         self._in_flight = {}
         self._advance(self.running, scheduled, out)
-        if self.encoder_refs:
+        if self.encoder_refs or self._unread:
             self._free_encoder_outputs(out)
         if states is not None:
             self._place_states(out)
         out.num_kv_blocks_used = self.kv.pool.num_used
+        if not out.chunks:
+            self._hold_back(out)
         return out
+
+    def _hold_back(self, out: SchedulerOutput) -> None:
+        """An output with no chunks is not run (the engine skips it): its finished requests and freed
+        encoder outputs go out with the next step that runs, so the executor still forgets them."""
+        self._finished_since_last_step[:0] = out.finished_req_ids
+        self._unread.extend(out.freed_encoder_hashes)
+        out.finished_req_ids, out.freed_encoder_hashes = [], []
 
     def _place_states(self, out: SchedulerOutput) -> None:
         """A hybrid model's chunks name their requests' state slots, the snapshot a new request
@@ -503,6 +513,8 @@ class Scheduler:
 
     def _free_encoder_outputs(self, out: SchedulerOutput) -> None:
         """Encoder outputs no request will read again: the executor drops them before this step."""
+        out.freed_encoder_hashes.extend(self._unread)
+        self._unread = []
         for h in [h for h, refs in self.encoder_refs.items() if not refs]:
             del self.encoder_refs[h]
             out.freed_encoder_hashes.append(h)
@@ -536,7 +548,12 @@ class Scheduler:
         return done
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix. Returns how many blocks the cache held."""
+        """Forget every cached prefix, and the encoder outputs no request reads (the executor drops
+        them before the next step; the same image is then encoded again). Returns how many blocks
+        the cache held."""
+        for h in [h for h, refs in self.encoder_refs.items() if not refs]:
+            del self.encoder_refs[h]
+            self._unread.append(h)
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ after the step
