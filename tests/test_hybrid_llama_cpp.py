@@ -8,6 +8,7 @@ transformers' (float32, eager) within 1e-4; the Q8_0 file's against transformers
 taken to Q8_0 and back."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from typing import Callable
 import pytest
 import torch
 
+from ferry.model.gguf_convert import convert_gguf
 from tests import test_hybrid_lfm2 as lfm2
 from tests import test_hybrid_mamba2 as mamba2
 from tests import test_hybrid_qwen3_5 as qwen3_5
@@ -146,6 +148,13 @@ def test_the_converters_q8_0_gguf_keeps_its_blocks_and_matches_transformers_on_t
     model, gguf = converted("qwen3.5", tmp_path, embedded_dir, "q8_0")
     monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
     llm = engine(str(gguf), quantization="gguf")
+    # Served quantized, the conversion holds no float32 copy, and its config (read from the blocks'
+    # shapes) is the one a conversion with the float weights writes.
+    conv = llm.engine.executor.model_dir
+    assert not (conv / "model.safetensors").exists()
+    convert_gguf(gguf, tmp_path / "with-floats")
+    assert json.loads((conv / "config.json").read_text()) == json.loads(
+        (tmp_path / "with-floats" / "config.json").read_text())
     layers = llm.engine.executor.model.layers
     for i in (0, 3):  # a DeltaNet layer and an attention layer
         assert any(isinstance(w, QuantWeight) for w in vars(layers[i].mixer).values())

@@ -307,7 +307,10 @@ def test_a_mixed_file_generates_as_its_dequantized_copy(tmp_path, monkeypatch, p
         return "+".join(t for i, t in enumerate(types) if i == 0 or t != types[i - 1])
     assert kinds == [(stacked(m["attn_q"], m["attn_k"], m["attn_v"]), m["attn_output"],
                       stacked(m["ffn_gate"], m["ffn_up"]), m["ffn_down"]) for m in MIXED]
+    conv = quant.engine.executor.model_dir
+    assert not (conv / "model.safetensors").exists()  # served quantized: no float32 copy written
     floats = LLM(model=str(path), quantization="none")
+    assert floats.engine.executor.model_dir == conv and (conv / "model.safetensors").is_file()  # on demand
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = parity_prompts[:4]
     a = [o.outputs[0].token_ids for o in quant.generate(prompts, sp, use_tqdm=False)]

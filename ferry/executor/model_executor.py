@@ -124,7 +124,7 @@ class ModelSetup:
                 torch.ones(2, 2, dtype=dtype, device=device) @ torch.ones(2, 2, dtype=dtype, device=device)
             except RuntimeError as e:
                 raise ValueError(f"dtype {dtype_name!r} is not supported on {device}: {e}") from None
-        model_dir = resolve_model_dir(config.model, config.cache_dir)
+        model_dir = resolve_model_dir(config.model, config.cache_dir, floats=False)
         cfg = ModelConfig.from_dir(model_dir)
         tokenizer = load_tokenizer(model_dir)
         # Every end-of-sequence id stops a request: the tokenizer's, config.json's and

@@ -55,13 +55,39 @@ def _set_pre_tokenizer(tokenizer, pre: str | None) -> None:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
-def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
-    """Where the conversion of ``gguf_path`` lives; converts it first if it is not there yet."""
+# In a conversion's directory: the GGUF it came from, so its float32 weights can be written later.
+SOURCE_FILE = "gguf-source.json"
+
+
+def converted_dir(gguf_path: Path, cache_dir: Path | None = None, floats: bool = True) -> Path:
+    """Where the conversion of ``gguf_path`` lives; converts it first if it is not there yet. With
+    ``floats``, its float32 weights too (model.safetensors, 4-8x a quantized file's size); without,
+    only its config and tokenizer (a GGUF served quantized reads its weights from the file itself;
+    ``ensure_float_weights`` writes them when something asks)."""
     st = gguf_path.stat()
     out = (cache_dir or default_cache_dir()) / "models" / f"{gguf_path.stem}-{st.st_size}-v{CONVERSION_VERSION}"
-    if not (out / "model.safetensors").is_file():
-        convert_gguf(gguf_path, out)
+    if not (out / "config.json").is_file():
+        convert_gguf(gguf_path, out, floats)
+    elif floats:
+        ensure_float_weights(out)
     return out
+
+
+def ensure_float_weights(model_dir: Path) -> None:
+    """Write the float32 weights of a converted GGUF's directory (made without them) from the GGUF
+    it names; nothing for any other directory."""
+    from gguf import GGUFReader
+
+    source = model_dir / SOURCE_FILE
+    if (model_dir / "model.safetensors").is_file() or not source.is_file():
+        return
+    gguf_path = Path(json.loads(source.read_text())["gguf"])
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{str(model_dir)!r} was converted from {str(gguf_path)!r}, which is gone; "
+                                f"load the GGUF again")
+    tmp = model_dir / f"model.safetensors.tmp{os.getpid()}"
+    write_float_weights(GGUFReader(str(gguf_path)), tmp)
+    tmp.replace(model_dir / "model.safetensors")
 
 
 # Tensors outside the layers that are config, not weights: read into config.json.
@@ -183,6 +209,20 @@ def _rope_scaling(m, tensors: dict[str, np.ndarray]) -> dict | None:
 HELD_FLOATS = 1 << 20
 
 
+def float_stand_ins(reader) -> dict[str, np.ndarray]:
+    """What reading the config needs of ``reader``'s tensors, without dequantizing: its float
+    tensors (as ``write_float_weights`` returns them) and zero-stride stand-ins of its quantized
+    ones' shapes."""
+    from ferry.model.quant import QUANT_TYPES
+
+    out = {}
+    for name, qtype, shape, a in hf_tensors(reader, keep=tuple(QUANT_TYPES)):
+        if qtype in QUANT_TYPES or a.size > HELD_FLOATS:
+            a = np.broadcast_to(np.zeros((), np.float32), shape)
+        out[name] = np.asarray(a, dtype=np.float32)
+    return out
+
+
 def write_float_weights(reader, path: Path) -> dict[str, np.ndarray]:
     """Every tensor of ``reader`` in float32 (``hf_tensors``) into a safetensors file at ``path``, one
     at a time; returns them by name, those over HELD_FLOATS as zero-stride stand-ins of their shape
@@ -215,8 +255,9 @@ def write_float_weights(reader, path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files for ``gguf_path`` into ``out_dir``."""
+def convert_gguf(gguf_path: Path, out_dir: Path, floats: bool = True) -> None:
+    """Write config.json, the tokenizer files and (with ``floats``) model.safetensors for
+    ``gguf_path`` into ``out_dir``."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -231,7 +272,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = write_float_weights(reader, tmp / "model.safetensors")
+    tensors = write_float_weights(reader, tmp / "model.safetensors") if floats else float_stand_ins(reader)
+    (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
     tied = "lm_head.weight" not in tensors
     emb = tensors[f"{spec.name_table()['embed'][0]}.weight"]
     config = {

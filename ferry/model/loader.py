@@ -13,7 +13,7 @@ from ferry.config import EngineConfig
 from ferry.model.config import ModelConfig
 from ferry.model.kernels import load_kernels
 from ferry.model.quant import cached_gguf_weights, set_activations
-from ferry.model.gguf_convert import converted_dir, embedded_gguf_path
+from ferry.model.gguf_convert import converted_dir, embedded_gguf_path, ensure_float_weights
 from ferry.model.hub import local_model
 from ferry.model.weights import dummy_weights, unfuse
 
@@ -31,13 +31,14 @@ def gguf_file(model: str | None) -> Path | None:
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
-def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> Path:
+def resolve_model_dir(model: str | None, cache_dir: str | None = None, floats: bool = True) -> Path:
     """A Hugging Face directory for ``model`` (a path, or a Hugging Face name ``ORG/NAME[:QUANT]``
     that ``ferry.model.hub`` resolves): a GGUF (None means the embedded SmolLM2) is converted
-    once, for its config and tokenizer (and its float weights, for quantization none)."""
+    once, for its config and tokenizer, and with ``floats`` its float32 weights (else written when
+    ``load_safetensors`` first reads the directory: quantization none, or no C kernels)."""
     gguf = gguf_file(model)
     if gguf is not None:
-        return converted_dir(gguf, Path(cache_dir) if cache_dir else None)
+        return converted_dir(gguf, Path(cache_dir) if cache_dir else None, floats)
     path = local_model(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {model!r} does not exist (ferry loads a local directory, a .gguf "
@@ -116,6 +117,7 @@ def load_safetensors(model_dir: Path, skip: tuple[str, ...] = (), only: tuple[st
     ``only`` is given, those whose names start with none of ``only``."""
     from safetensors import safe_open
 
+    ensure_float_weights(model_dir)  # a converted GGUF's, made without them
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

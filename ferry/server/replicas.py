@@ -173,7 +173,7 @@ class ReplicaSet:
                                                    max_concurrency=1000)
         self.actors = [worker.remote(config, i, model_name, max_waiting_requests) for i in range(num_replicas)]
         self.infos = ray.get([a.ready.remote() for a in self.actors])
-        self.tokenizer = load_tokenizer(resolve_model_dir(config.model, config.cache_dir))
+        self.tokenizer = load_tokenizer(resolve_model_dir(config.model, config.cache_dir, floats=False))
         self.max_model_len = self.infos[0]["max_model_len"]
         self.max_waiting_requests = max_waiting_requests
         router = replace(router, block_size=self.infos[0]["block_size"],
