@@ -22,7 +22,7 @@ from ferry.model.arch.gemma3 import TOWER_PREFIXES
 from ferry.model.layers.siglip import SiglipVision
 from ferry.model.layers.vision import VisionOutput
 from ferry.model.mmproj import tower_source
-from ferry.model.multimodal import RequestPositions
+from ferry.model.multimodal import FLAT_SECTION, checked, flat_positions
 
 
 class Gemma3Projector:
@@ -64,8 +64,8 @@ def _prefixes(tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
 class Gemma3Encoder:
     """A Gemma 3 checkpoint's tower and projector (``load``: None where it has none)."""
 
-    # Rope frequencies per axis: none turned by rows or columns, so every row's rope is at its token index.
-    section = (0, 0, 0)
+    section = FLAT_SECTION
+    positions = staticmethod(flat_positions)
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -87,11 +87,6 @@ class Gemma3Encoder:
     def encode(self, image: ImageFeature) -> VisionOutput:
         """One image's rows (its ``data``: the image processor's ``pixel_values`` [3, H, W])."""
         rows = self.projector.forward(self.vision.encode(image.data["pixel_values"][None]))[0]
-        if rows.shape[0] != image.length:
-            raise ValueError(f"an image of {image.length} placeholder tokens encodes to {rows.shape[0]} rows")
+        out = checked(VisionOutput(rows, []), image)
         self.num_encoded += 1
-        return VisionOutput(rows, [])
-
-    def positions(self, images: tuple[ImageFeature, ...]) -> RequestPositions:
-        """1-D rope: no table, no shift (each token at its index on every axis)."""
-        return RequestPositions(torch.zeros(3, 0, dtype=torch.long), 0)
+        return out

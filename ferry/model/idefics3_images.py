@@ -14,7 +14,7 @@ from ferry.core.multimodal import ImageFeature
 from ferry.model.layers.idefics3 import Idefics3Vision
 from ferry.model.layers.vision import VisionOutput
 from ferry.model.mmproj import tower_source
-from ferry.model.multimodal import RequestPositions
+from ferry.model.multimodal import FLAT_SECTION, checked, flat_positions
 
 TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
 
@@ -22,8 +22,8 @@ TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
 class Idefics3Encoder:
     """An Idefics3 / SmolVLM checkpoint's tower and connector (``load``: None where it has none)."""
 
-    # Rope frequencies per axis: none turned by rows or columns, so every row's rope is at its token index.
-    section = (0, 0, 0)
+    section = FLAT_SECTION
+    positions = staticmethod(flat_positions)
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -42,11 +42,6 @@ class Idefics3Encoder:
     def encode(self, image: ImageFeature) -> VisionOutput:
         """One tile's rows (its ``data``: ``pixel_values`` [3, H, W], ``pixel_attention_mask`` [H, W])."""
         rows = self.vision.encode(image.data["pixel_values"][None], image.data["pixel_attention_mask"][None])[0]
-        if rows.shape[0] != image.length:
-            raise ValueError(f"an image tile of {image.length} placeholder tokens encodes to {rows.shape[0]} rows")
+        out = checked(VisionOutput(rows, []), image, "an image tile")
         self.num_encoded += 1
-        return VisionOutput(rows, [])
-
-    def positions(self, images: tuple[ImageFeature, ...]) -> RequestPositions:
-        """1-D rope: no table, no shift (each token at its index on every axis)."""
-        return RequestPositions(torch.zeros(3, 0, dtype=torch.long), 0)
+        return out

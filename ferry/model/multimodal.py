@@ -5,7 +5,6 @@ Torch; the core's view of an image is ``ferry.core.multimodal.ImageFeature``.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from ferry.core.multimodal import ImageFeature
 from ferry.model.arch.idefics3 import IDEFICS3_ARCHITECTURES
 from ferry.model.arch.qwen3_vl import IMAGE_ARCHITECTURES, column_axes, mrope_section, rope_positions
 from ferry.model.layers.vision import Qwen3VLVision, VisionOutput
-from ferry.model.loader import load_safetensors
+from ferry.model.mmproj import tower_source
 
 
 @dataclass
@@ -59,6 +58,22 @@ class RequestPositions:
         return shifted
 
 
+def checked(out: VisionOutput, image: ImageFeature, what: str = "an image") -> VisionOutput:
+    """``out``, once its rows are as many as the image's placeholder tokens (else a ValueError)."""
+    if out.embeds.shape[0] != image.length:
+        raise ValueError(f"{what} of {image.length} placeholder tokens encodes to {out.embeds.shape[0]} rows")
+    return out
+
+
+# Rope frequencies per axis of the towers without a 2-D rope (SigLIP): none turned by rows or columns.
+FLAT_SECTION = (0, 0, 0)
+
+
+def flat_positions(images: tuple[ImageFeature, ...]) -> RequestPositions:
+    """1-D rope: no table, no shift (each token at its index on every axis)."""
+    return RequestPositions(torch.zeros(3, 0, dtype=torch.long), 0)
+
+
 class ImageEncoder:
     """A Qwen3-VL (or Qwen3.5) checkpoint's vision tower and rope layout (``load``: None for text models)."""
 
@@ -87,22 +102,12 @@ class ImageEncoder:
             from ferry.model.gemma3_images import Gemma3Encoder
 
             return Gemma3Encoder.load(Path(model_dir), dtype, device, mmproj)  # type: ignore[return-value]
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        if mmproj is not None:
-            if architecture not in mmproj.table.architectures:
-                raise ValueError(f"mmproj {str(mmproj.path)!r} (projector type {mmproj.table.projector_type!r}) "
-                                 f"is not a tower of {architecture}")
-            config = {**config, **mmproj.config, "vision_config": mmproj.vision_config}
-            return cls(config, {k: torch.from_numpy(v) for k, v in mmproj.tensors.items()}, dtype, device)
-        if "vision_config" not in config:  # a text GGUF of an image model, given no mmproj
-            return None
-        return cls(config, load_safetensors(Path(model_dir), only=("model.visual.",)), dtype, device)
+        source = tower_source(Path(model_dir), mmproj, "qwen3vl_merger", "Qwen3-VL", ("model.visual.",))
+        return None if source is None else cls(*source, dtype, device)
 
     def encode(self, image: ImageFeature) -> VisionOutput:
         """One image's rows (its ``data``: the image processor's pixel_values and image_grid_thw)."""
-        out = self.vision.encode(image.data["pixel_values"], image.data["image_grid_thw"])
-        if out.embeds.shape[0] != image.length:
-            raise ValueError(f"an image of {image.length} placeholder tokens encodes to {out.embeds.shape[0]} rows")
+        out = checked(self.vision.encode(image.data["pixel_values"], image.data["image_grid_thw"]), image)
         self.num_encoded += 1
         return out
 
