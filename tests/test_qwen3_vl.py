@@ -12,10 +12,10 @@ import torch
 from ferry import LLM, SamplingParams
 from ferry.model.kernels import load_kernels
 from ferry.multimodal.processor import ImagePrompter
-from tests.vl_models import hf_greedy, hf_logprobs, image, make_qwen3_5_vl_model, make_vl_model
+from tests.vl_models import (NEW, check, hf_greedy, hf_logprobs, image, make_qwen3_5_vl_model, make_vl_model, record,
+                             run)
 
 P = "<|vision_start|><|image_pad|><|vision_end|>"
-NEW = 6
 TOL = 1e-4
 
 
@@ -37,35 +37,7 @@ def engine(path, **kw) -> LLM:
     return LLM(model=str(path), quant_activations="exact", **kw)
 
 
-def record(llm: LLM) -> list:
-    """Every scheduler output of ``llm`` from now on."""
-    outs, schedule = [], llm.engine.scheduler.schedule
 
-    def spy():
-        out = schedule()
-        outs.append(out)
-        return out
-
-    llm.engine.scheduler.schedule = spy
-    return outs
-
-
-def run(llm: LLM, prompts, which=None) -> list:
-    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, prompt_logprobs=0, logprobs=0)
-    which = range(len(prompts)) if which is None else which
-    return llm.generate([prompts[i][0] for i in which], sp, use_tqdm=False, images=[prompts[i][1] for i in which])
-
-
-def check(outs, prompts, refs, which=None) -> float:
-    """Greedy tokens equal transformers'; returns the largest |logprob difference| (prompt and decode)."""
-    worst = 0.0
-    for i, out in zip(range(len(prompts)) if which is None else which, outs):
-        ids, (ref_prompt, ref_tokens, ref_decode) = prompts[i][0], refs[i]
-        assert out.outputs[0].token_ids == ref_tokens
-        got = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
-        dec = torch.tensor([out.outputs[0].logprobs[j][t] for j, t in enumerate(ref_tokens)])
-        worst = max(worst, float((got - ref_prompt).abs().max()), float((dec - ref_decode).abs().max()))
-    return worst
 
 
 def test_the_prompter_expands_each_placeholder_to_its_image_tokens(vl):

@@ -19,14 +19,13 @@ import torch
 
 from ferry import LLM, SamplingParams
 from ferry.multimodal.processor import ImagePrompter
-from tests.vl_models import image
+from tests.vl_models import NEW, check, image, run
 
 IMAGE, FAKE, GLOBAL, EOU, NL = 300, 301, 302, 303, 304
 SPECIALS = {"<image>": IMAGE, "<fake_token_around_image>": FAKE, "<global-img>": GLOBAL, "<end_of_utterance>": EOU}
 ROWCOL = {f"<row_{i}_col_{j}>": 305 + (i - 1) * 6 + (j - 1) for i in range(1, 7) for j in range(1, 7)}
 EOS, VOCAB = 349, 352
 SEQ = 4  # tokens per tile: (32 / 8)**2 patches / 2**2
-NEW = 6
 TOL = 1e-4
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}:{% if m['content'] is string %} {{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %} <image>{% else %} {{ p['text'] }}"
@@ -150,22 +149,6 @@ def engine(path, **kw) -> LLM:
     return LLM(model=str(path), quant_activations="exact", **kw)
 
 
-def run(llm: LLM, prompts, which=None) -> list:
-    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, prompt_logprobs=0, logprobs=0)
-    which = range(len(prompts)) if which is None else which
-    return llm.generate([prompts[i][0] for i in which], sp, use_tqdm=False, images=[prompts[i][1] for i in which])
-
-
-def check(outs, prompts, refs, which=None) -> float:
-    """Greedy tokens equal transformers'; returns the largest |logprob difference| (prompt and decode)."""
-    worst = 0.0
-    for i, out in zip(range(len(prompts)) if which is None else which, outs):
-        ids, (ref_prompt, ref_tokens, ref_decode) = prompts[i][0], refs[i]
-        assert out.outputs[0].token_ids == ref_tokens
-        got = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
-        dec = torch.tensor([out.outputs[0].logprobs[j][t] for j, t in enumerate(ref_tokens)])
-        worst = max(worst, float((got - ref_prompt).abs().max()), float((dec - ref_decode).abs().max()))
-    return worst
 
 
 def test_prompt_ids_and_pixels_equal_the_transformers_processor(smol):

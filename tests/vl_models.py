@@ -148,3 +148,41 @@ def hf_greedy(model, prompt: list[int], images: tuple, n: int) -> tuple[list[int
                              pad_token_id=0)
     tokens = gen[0, len(prompt):].tolist()
     return tokens, hf_logprobs(model, prompt + tokens, images)[-n:]
+
+
+# The new tokens each engine run of these tests generates (greedy, every one checked).
+NEW = 6
+
+
+def record(llm) -> list:
+    """Every scheduler output of ``llm`` from now on."""
+    outs, schedule = [], llm.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        outs.append(out)
+        return out
+
+    llm.engine.scheduler.schedule = spy
+    return outs
+
+
+def run(llm, prompts, which=None) -> list:
+    """``llm``'s outputs for prompts (ids, images) ``which`` (all): NEW greedy tokens, logprobs of the prompt and them."""
+    from ferry import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, prompt_logprobs=0, logprobs=0)
+    which = range(len(prompts)) if which is None else which
+    return llm.generate([prompts[i][0] for i in which], sp, use_tqdm=False, images=[prompts[i][1] for i in which])
+
+
+def check(outs, prompts, refs, which=None) -> float:
+    """Greedy tokens equal transformers'; returns the largest |logprob difference| (prompt and decode)."""
+    worst = 0.0
+    for i, out in zip(range(len(prompts)) if which is None else which, outs):
+        ids, (ref_prompt, ref_tokens, ref_decode) = prompts[i][0], refs[i]
+        assert out.outputs[0].token_ids == ref_tokens
+        got = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
+        dec = torch.tensor([out.outputs[0].logprobs[j][t] for j, t in enumerate(ref_tokens)])
+        worst = max(worst, float((got - ref_prompt).abs().max()), float((dec - ref_decode).abs().max()))
+    return worst
