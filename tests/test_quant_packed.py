@@ -77,12 +77,14 @@ def test_packed_products_walk_wide_weights_in_chunks_with_the_same_bits(qtype):
     w = repack(extreme_rows(qtype, n, k, seed=5), qtype, (n, k))
     w.activations = "q8"
     p = pack_rows16(w)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(9))
+    # 130 rows: AMX decodes every type's levels once for its eight tile passes (and a vector tail).
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(9)) for m in (40, 130)]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # more threads would give each fewer groups than two chunks
     try:
         for isa in each_q8_isa():
-            assert torch.equal(quant_linear(x, p), quant_linear(x, w)), isa
+            for x in xs:
+                assert torch.equal(quant_linear(x, p), quant_linear(x, w)), (isa, x.shape[0])
     finally:
         torch.set_num_threads(threads)
 
