@@ -50,9 +50,11 @@ ENGINE_HELP = {
     "mmproj": "an image model's vision tower as llama.cpp's mmproj GGUF (convert_hf_to_gguf.py --mmproj), "
               "for a text GGUF --model (as llama-server's --mmproj). Default: the one mmproj-*.gguf beside the "
               "model file, when there is exactly one (or one whose name matches it)",
-    "max_num_encoder_tokens": "image models: a step's vision-encoder budget in image tokens; a prompt chunk "
-                              "that would start an image whose encoding does not fit what is left ends before "
-                              "it (an image larger than the budget runs alone). Default: --max-num-batched-tokens",
+    "max_num_encoder_tokens": "image models: a step's vision-encoder budget in image tokens' worth of encoding; "
+                              "an image larger than what is left is encoded over several steps (a share a "
+                              "step), and a prompt chunk ends before an image whose encoding is not done. "
+                              "Lower it to keep decoding requests' inter-token latency steady while images "
+                              "arrive. Default: --max-num-batched-tokens",
     "num_state_slots": "models with recurrent layers (Qwen3.5, LFM2, Mamba2 hybrids): per-request state slots, "
                        "shared by running requests and the prefix cache's state snapshots. Default: two per "
                        "sequence within half of --kv-cache-memory-gb",

@@ -126,9 +126,10 @@ class EngineConfig:
     # value; accuracy cost in README.
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 512
-    # Image models: a step's vision-encoder budget in image tokens (vLLM's max_num_encoder_input_tokens):
-    # a chunk that would start an image whose encoding does not fit what is left of it ends before
-    # the image (an image larger than the whole budget still runs alone). None: max_num_batched_tokens.
+    # Image models: a step's vision-encoder budget in image tokens' worth of encoding (vLLM's
+    # max_num_encoder_input_tokens): an image of n tokens costs n, run over as many steps as it
+    # needs (the tower's blocks, and rows within a block, as pieces); a chunk ends before an image
+    # whose encoding is not done by the end of its step. None: max_num_batched_tokens.
     max_num_encoder_tokens: int | None = None
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length

@@ -90,14 +90,19 @@ def test_bench_profile_shows_the_encoder(vl_dir, tmp_path):
     out = tmp_path / "b.json"
     p = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "offline", "--model", str(vl_dir),
                         "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--image-size", "64x64",
-                        "--profile", "--no-progress", "--max-num-batched-tokens", "32", "--output-json", str(out)],
+                        "--profile", "--no-progress", "--max-num-batched-tokens", "32", "--max-num-encoder-tokens", "4",
+                        "--output-json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "vision encoder: 3 images encoded" in p.stdout and "0 encoder cache hits" in p.stdout
     d = json.loads(out.read_text())
     assert d["total_input_tokens"] == 3 * (8 + 16 + 2)
+    # Each 16-token image over four steps of 4 tokens' worth: one time per image, summed over its steps.
     assert d["encoder"]["images"] == 3 and d["encoder"]["ms_per_image"]["median"] > 0
     assert any("encoder" in s["parts"] for s in d["profile"].values())
+    # Steps where every prompt waits at an image run encoder work alone, a shape of their own.
+    assert d["profile"]["encoder"]["steps"] >= 3 and "encoder" in d["profile"]["encoder"]["parts"]
+    assert "encoder: " in p.stdout
     p = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "offline", "--num-prompts", "1",
                         "--input-len", "4", "--output-len", "1", "--image-size", "64x64", "--no-progress"],
                        capture_output=True, text=True, timeout=300)

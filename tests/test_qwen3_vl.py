@@ -75,7 +75,7 @@ def test_a_reset_prefix_cache_starts_the_encoder_cold_too(vl):
     between forgets it, so the same image is encoded again (benchmarks' repeated runs, each reset,
     measure the encoder each time)."""
     path, model, prompter, prompts, refs = vl
-    llm = engine(path)
+    llm = engine(path, max_num_encoder_tokens=16)  # the image encoded in the first step
     enc, held = llm.engine.executor.images.encoder, llm.engine.executor.images.cache
     ids, images = prompts[0]
 
@@ -95,7 +95,7 @@ def test_bookkeeping_of_a_step_that_runs_nothing_reaches_the_executor(vl):
     that finished before it reach the executor with the next step that runs (else each idle moment
     would keep an image's output and a request's state for good)."""
     path, model, prompter, prompts, refs = vl
-    llm = engine(path)
+    llm = engine(path, max_num_encoder_tokens=16)  # the image encoded in the first step
     ex = llm.engine.executor
     ids, images = prompts[0]
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, images=[images])
@@ -116,13 +116,62 @@ def test_the_encoder_budget_ends_a_chunk_before_an_image_that_does_not_fit(vl):
     a, b = (c.request_id for c in steps[0].chunks)  # boarded in order
     # The first prompt's 16-token image takes the whole budget: the second stops before its first image.
     assert first[a].num_tokens == len(prompts[0][0]) and first[b].num_tokens == prompts[1][1][0].offset
-    assert steps[0].encoder_inputs == [(a, 0)]
-    assert steps[1].encoder_inputs == [(b, 0), (b, 1)]  # 4 + 12 tokens fit the next step's budget
-    # An image larger than the whole budget still runs, alone in its step.
-    llm = engine(path, max_num_batched_tokens=64, max_num_encoder_tokens=8)
+    assert steps[0].encoder_inputs == [(a, prompts[0][1][0], 16)]
+    assert steps[1].encoder_inputs == [(b, prompts[1][1][0], 4), (b, prompts[1][1][1], 12)]  # 4 + 12 tokens fit
+
+
+def test_an_image_larger_than_the_encoder_budget_is_encoded_over_several_steps(vl):
+    """Each step runs the budget's share of the image's encoding (steps of encoder work alone while
+    the prompt waits at the image), and the tokens are still transformers'."""
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path, max_num_batched_tokens=64, max_num_encoder_tokens=5)
+    jobs = llm.engine.executor.images.jobs
+    shares = []
+    llm.engine.executor.images.encoder.vision.piece_rows = 16  # a 64x64 image's 64 patches in 4 pieces a block
     steps = record(llm)
+    step = llm.engine.step
+
+    def spy(*a, **kw):
+        got = step(*a, **kw)
+        shares.append([round(j.share, 3) for j in jobs.values()])
+        return got
+
+    llm.engine.step = spy
     assert check(run(llm, prompts, [0]), prompts, refs, [0]) < TOL
-    assert steps[0].encoder_inputs and steps[0].chunks[0].num_tokens == len(prompts[0][0])
+    im = prompts[0][1][0]
+    assert [s.encoder_inputs[0][2] for s in steps[:4]] == [5, 10, 15, 16]
+    assert [[(c.start, c.num_tokens) for c in s.chunks] for s in steps[:4]] == [[(0, 3)], [], [], [(3, len(prompts[0][0]) - 3)]]
+    assert all(s.encoder_inputs[0][1] == im for s in steps[:4]) and not any(s.encoder_inputs for s in steps[4:])
+    # The tower (3 blocks: projections and 4 row pieces each; 2 deepstack mergers; the embedding and
+    # the merger: 19 pieces) ran at least the share scheduled, and no more than a piece past it.
+    for got, upto in zip(shares[:3], (5, 10, 15)):
+        assert len(got) == 1 and upto / 16 <= got[0] < upto / 16 + 1 / 19 + 1e-9
+    assert shares[3] == [] and llm.engine.executor.images.encoder.num_encoded == 1
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_alone(vl):
+    """The tower raising halfway through an image encoded over several steps (in a step where its
+    request runs encoder work alone) fails that image's request; the others' tokens are transformers'."""
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path, max_num_batched_tokens=64, max_num_encoder_tokens=5)
+    images = llm.engine.executor.images
+    bad, pieces, tries = prompts[0][1][0].hash, images.encoder.pieces, []
+
+    def failing(image):
+        if image.hash != bad:
+            return (yield from pieces(image))
+        for share in (0.1, 0.2, 0.3, 0.4, 0.5):  # the first step runs 5 of 16 tokens' worth, to 0.4
+            yield share
+        tries.append(llm.engine.scheduler.num_steps)
+        raise RuntimeError("the tower broke")
+
+    images.encoder.pieces = failing
+    outs = run(llm, prompts)
+    assert outs[0].outputs[0].finish_reason == "error" and "the tower broke" in str(outs[0].outputs[0].stop_reason)
+    assert set(tries) == {2}  # failed in the second step (the engine's retries aside; later steps would try again)
+    assert check(outs[1:], prompts, refs, [1, 2]) < TOL
+    llm.engine.step()  # the last references end
+    assert images.jobs == {} and images.cache == {} and llm.engine.scheduler.encoder_refs == {}
 
 
 def test_preempted_requests_recompute_their_images(vl):

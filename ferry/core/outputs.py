@@ -83,9 +83,12 @@ class SchedulerOutput:
     # Hybrid models: (snapshot slot, request slot) state copies to make before the step: requests
     # that start from a prefix-cache hit.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Images: (request id, index in its images) to run through the vision encoder before the step,
-    # and the image hashes whose encoder outputs no chunk will read again (dropped first).
-    encoder_inputs: list[tuple[str, int]] = field(default_factory=list)
+    # Images: (request id, image, upto) to run through the vision encoder before the step until
+    # ``upto`` of the image's ``length`` tokens' worth of encoding is done (an image's encoding may
+    # take several steps, and may start while its request still waits; at ``length`` its output is
+    # ready for the step's chunks), and the image hashes whose encoder outputs (or encodings in
+    # progress) no chunk will read (dropped first).
+    encoder_inputs: list[tuple[str, ImageFeature, int]] = field(default_factory=list)
     freed_encoder_hashes: list[bytes] = field(default_factory=list)
 
     @property
@@ -117,7 +120,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing to run: no chunk and no encoder work."""
+        return not self.chunks and not self.encoder_inputs
 
     @functools.cached_property
     def cost_shape(self) -> tuple[tuple[tuple[int, int], ...], int]:

@@ -29,13 +29,14 @@ from ferry.core.stats import SchedulerState, SchedulerStats
 
 
 class _EncoderStep:
-    """One step's vision-encoder budget: image tokens left, and the image hashes it encodes."""
+    """One step's vision-encoder budget: image tokens' worth of encoding left, and how far the
+    step's encoder work takes each image it touches (by hash)."""
 
-    __slots__ = ("left", "planned", "overrun")
+    __slots__ = ("left", "upto", "overrun")
 
     def __init__(self, budget: int) -> None:
         self.left = budget
-        self.planned: set[bytes] = set()
+        self.upto: dict[bytes, int] = {}
         self.overrun = False  # a chunk of this step took a whole image past its token budget
 
 
@@ -74,11 +75,14 @@ class Scheduler:
         self._stats = SchedulerStats()  # what the step in progress did, for take_stats
         self._finished_since_last_step: list[str] = []
         self._in_flight: dict[str, Request] = {}  # the requests of the step being run
-        # Images: the vision encoder's budget per step (image tokens), the requests that will still
-        # read each encoder output the executor holds (by image hash), and the (hash, request)
-        # references that end once the step in flight is over.
+        # Images: the vision encoder's budget per step (image tokens' worth of encoding: an image
+        # of n tokens takes n, over as many steps as it needs), the requests that will still read
+        # each encoder output the executor holds or is making (by image hash), how far each of
+        # those is encoded (n: done), and the (hash, request) references that end once the step
+        # in flight is over.
         self.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
         self.encoder_refs: dict[bytes, set[str]] = {}
+        self.encoded: dict[bytes, int] = {}
         self._encoder_releases: list[tuple[bytes, str]] = []
         self._unread: list[bytes] = []  # freed encoder outputs the executor has not been told of
         self._enc = _EncoderStep(self.encoder_budget)
@@ -168,11 +172,12 @@ class Scheduler:
             num = 1 if need == 1 else min(need, budget, chunk_cap)
             if states is not None:
                 num = self.kv.cut(req, req.num_computed_tokens, num)
-            todo: list[int] = []
+            todo: list[tuple[int, int]] = []
             if req.images and req.num_computed_tokens < req.num_prompt_tokens:
                 num, todo = self._plan_images(req, req.num_computed_tokens, num)
-                if num <= 0:
-                    continue  # its next image waits for the encoder budget of a later step
+                if num <= 0:  # its next image is being encoded (or waits for the encoder budget)
+                    self._commit_images(req, req.num_computed_tokens, 0, todo, out)
+                    continue
             if spec is not None:
                 req.spec_token_ids = self._draft(req, budget) if num == need == 1 else []
                 num += len(req.spec_token_ids)
@@ -200,18 +205,21 @@ class Scheduler:
 
         self._in_flight = {}
         self._advance(self.running, scheduled, out)
+        for h, upto in self._enc.upto.items():
+            self.encoded[h] = max(self.encoded.get(h, 0), upto)
         if self.encoder_refs or self._unread:
             self._free_encoder_outputs(out)
         if states is not None:
             self._place_states(out)
         out.num_kv_blocks_used = self.kv.pool.num_used
-        if not out.chunks:
+        if out.is_empty:
             self._hold_back(out)
         return out
 
     def _hold_back(self, out: SchedulerOutput) -> None:
-        """An output with no chunks is not run (the engine skips it): its finished requests and freed
-        encoder outputs go out with the next step that runs, so the executor still forgets them."""
+        """An output with no chunks and no encoder work is not run (the engine skips it): its finished
+        requests and freed encoder outputs go out with the next step that runs, so the executor
+        still forgets them."""
         self._finished_since_last_step[:0] = out.finished_req_ids
         self._unread.extend(out.freed_encoder_hashes)
         out.finished_req_ids, out.freed_encoder_hashes = [], []
@@ -286,11 +294,12 @@ class Scheduler:
                         skipped.append(self.waiting.pop())
                         continue
                 num = self.kv.cut(req, num_cached, min(need, budget, self.chunk_cap))
-                todo: list[int] = []
+                todo: list[tuple[int, int]] = []
                 if req.images:
                     num, todo = self._plan_images(req, num_cached, num)
-                    if num <= 0:
-                        break  # its first image waits for the encoder budget of a later step
+                    if num <= 0:  # its first image is being encoded (or waits for the encoder budget)
+                        self._commit_images(req, num_cached, 0, todo, out)
+                        break
                 room = not out.preempted_req_ids or self._more_urgent_than_preempted(req, out)
                 if room and self._try_allocate(req, num, need, budget, cached):
                     self._admit(req, num_cached, out)
@@ -448,31 +457,34 @@ class Scheduler:
                 refs.discard(rid)
         self._encoder_releases = []
 
-    def _plan_images(self, req: Request, start: int, num: int) -> tuple[int, list[int]]:
+    def _plan_images(self, req: Request, start: int, num: int) -> tuple[int, list[tuple[int, int]]]:
         """``num`` cut before the first image the chunk [start, start + num) touches whose encoding
-        does not fit the step's encoder budget left (0: not even the chunk's first token), and the
-        indexes of the images it touches that need encoding. The step's first image runs whatever its size."""
+        is not done by the end of this step (0: not even the chunk's first token), and the encoder
+        work to run for it: (image index, tokens' worth its encoding reaches), within the step's
+        encoder budget left (an image larger than the budget is encoded over several steps)."""
         if self.whole_images:
             num = self._whole_images(req, start, num)
-        enc, end, todo, left = self._enc, start + num, [], self._enc.left
-        planned = set(enc.planned)
+        end, todo, left = start + num, [], self._enc.left
+        upto = dict(self._enc.upto)
         for i, im in enumerate(req.images):
             if im.offset >= end:
                 break
-            if im.end <= start or im.hash in self.encoder_refs or im.hash in planned:
-                continue  # not touched, or its encoder output is held (or on its way)
-            if im.length > left and (enc.planned or todo):
+            if im.end <= start:
+                continue
+            done = max(self.encoded.get(im.hash, 0), upto.get(im.hash, 0))
+            if done < im.length and left > 0:
+                more = min(left, im.length - done)
+                left -= more
+                done = upto[im.hash] = done + more
+                todo.append((i, done))
+            if done < im.length:
                 return max(0, im.offset - start), todo
-            todo.append(i)
-            planned.add(im.hash)
-            left -= im.length
         return num, todo
 
     def _whole_images(self, req: Request, start: int, num: int) -> int:
         """``num`` such that the chunk [start, start + num) cuts no image: it ends before an image it
         would cut, or, when that image is where the chunk starts, takes the image whole, past the
-        step's token budget if it must (one such chunk a step, as an encoder step runs its first
-        image whatever its size); 0: the image waits for the next step."""
+        step's token budget if it must (one such chunk a step); 0: the image waits for the next step."""
         end = start + num
         for im in req.images:
             if im.offset >= end:
@@ -487,21 +499,26 @@ class Scheduler:
             return im.end - start
         return num
 
-    def _commit_images(self, req: Request, start: int, num: int, todo: list[int], out: SchedulerOutput) -> None:
-        """A scheduled chunk's images: encode those planned, and hold every touched image's output
-        until the chunk that passes its end has run."""
+    def _commit_images(self, req: Request, start: int, num: int, todo: list[tuple[int, int]],
+                       out: SchedulerOutput) -> None:
+        """A scheduled chunk's images (``num`` may be 0: encoder work alone): run the planned
+        encoder work, and hold every image it encodes or the chunk touches until the chunk that
+        passes its end has run."""
         enc, rid, end = self._enc, req.request_id, start + num
+        mine = {i for i, _ in todo}
         self._stats.num_encoder_cache_hits += sum(1 for i, im in enumerate(req.images)
-                                                  if start <= im.offset < end and i not in todo)
-        for i in todo:
+                                                  if start <= im.offset < end and i not in mine)
+        for i, upto in todo:
             im = req.images[i]
-            out.encoder_inputs.append((rid, i))
-            enc.planned.add(im.hash)
-            enc.left -= im.length
+            out.encoder_inputs.append((rid, im, upto))
+            enc.left -= upto - max(self.encoded.get(im.hash, 0), enc.upto.get(im.hash, 0))
+            enc.upto[im.hash] = upto
+            self.encoder_refs.setdefault(im.hash, set()).add(rid)
+        last = {im.hash: im.end for im in req.images}  # the same image twice: held until its last span
         for im in req.images:
             if im.overlaps(start, end):
                 self.encoder_refs.setdefault(im.hash, set()).add(rid)
-                if end >= im.end:
+                if end >= last[im.hash] == im.end:
                     self._encoder_releases.append((im.hash, rid))
 
     def _drop_images(self, req: Request) -> None:
@@ -511,12 +528,23 @@ class Scheduler:
             if refs is not None:
                 refs.discard(req.request_id)
 
+    def _drop_encoder_work(self, req: Request, out: SchedulerOutput) -> None:
+        """A request preempted in the step that planned its encoder work: that work is not run, and
+        the step's encodings reach only what the rest of its encoder work takes them to."""
+        rid = req.request_id
+        out.encoder_inputs = [e for e in out.encoder_inputs if e[0] != rid]
+        upto: dict[bytes, int] = {}
+        for _, im, n in out.encoder_inputs:
+            upto[im.hash] = max(upto.get(im.hash, 0), n)
+        self._enc.upto = upto
+
     def _free_encoder_outputs(self, out: SchedulerOutput) -> None:
         """Encoder outputs no request will read again: the executor drops them before this step."""
         out.freed_encoder_hashes.extend(self._unread)
         self._unread = []
         for h in [h for h, refs in self.encoder_refs.items() if not refs]:
             del self.encoder_refs[h]
+            self.encoded.pop(h, None)
             out.freed_encoder_hashes.append(h)
 
     def _victim_key(self, req: Request) -> tuple:
@@ -531,7 +559,7 @@ class Scheduler:
         self.running.remove(req)
         if req.images:
             self._drop_images(req)
-            out.encoder_inputs = [e for e in out.encoder_inputs if e[0] != req.request_id]
+            self._drop_encoder_work(req, out)
         self.kv.free(req)
         req.num_recomputed_tokens += req.num_computed_tokens  # work that will be done again
         req.num_computed_tokens = 0
@@ -553,6 +581,7 @@ class Scheduler:
         the cache held."""
         for h in [h for h, refs in self.encoder_refs.items() if not refs]:
             del self.encoder_refs[h]
+            self.encoded.pop(h, None)
             self._unread.append(h)
         return self.kv.reset_prefix_cache()
 
@@ -614,6 +643,12 @@ class Scheduler:
             if status is not None:
                 self.finish_request(req, status)
             changed.append(req)
+        if errors and out.encoder_inputs:  # a request whose image failed to encode, in a step without its chunk
+            for rid in dict.fromkeys(r for r, _, _ in out.encoder_inputs if r in errors):
+                req = self.requests.get(rid)
+                if req is not None and not req.status.finished and all(c.request_id != rid for c in out.chunks):
+                    self.finish_request(req, RequestStatus.FINISHED_ERROR, errors[rid])
+                    changed.append(req)
         return changed
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

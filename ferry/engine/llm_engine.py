@@ -12,7 +12,7 @@ from ferry.core.admission import Admission, Admitted
 from ferry.core.clock import WallClock
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.multimodal import ImageFeature
-from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, SchedulerOutput
 from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
@@ -219,49 +219,50 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; if it raises, find the request(s) that make it fail and fail only those.
 
-        A step's chunks are independent (each writes only its own KV slots and samples its own
-        row, and a seeded draw depends only on (seed, token index)), so re-running a subset of
-        them is the same work as running it in the whole step. Halving the failing group until
-        single requests remain isolates the culprit in O(log n) retries; the others' results
-        are those of a clean run.
+        A step's requests are independent (each chunk writes only its own KV slots and samples its
+        own row, a seeded draw depends only on (seed, token index), and an image's encoding is its
+        requests' alone), so re-running a subset of them is the same work as running it in the
+        whole step. Halving the failing group until single requests remain isolates the culprit
+        in O(log n) retries; the others' results are those of a clean run.
         """
         try:
             return self.executor.execute(out)
         except ExecutorDead:
             raise
         except Exception as e:
-            if len(out.chunks) == 1:
-                return self._fail(out.chunks, e)
+            rids = list(dict.fromkeys([c.request_id for c in out.chunks] + [r for r, _, _ in out.encoder_inputs]))
+            if len(rids) == 1:
+                return self._fail(rids, e)
             if self.executor.num_state_slots:  # a retry would advance recurrent states twice
-                return self._fail_all(out.chunks, e)
+                return self._fail_all(rids, e)
             log.info("a step of %d requests failed (%s: %s); retrying in smaller groups to find "
-                        "the request that causes it", len(out.chunks), type(e).__name__, e)
+                        "the request that causes it", len(rids), type(e).__name__, e)
         result = ModelRunnerOutput()
-        groups = [out.chunks]
+        groups = [rids]
         while groups:
-            chunks = groups.pop()
-            half = len(chunks) // 2
+            group = groups.pop()
+            half = len(group) // 2
             try:
-                part = self.executor.execute(replace(out, chunks=chunks))
+                part = self.executor.execute(_only(out, set(group)))
             except ExecutorDead:
                 raise
             except Exception as e:
-                if len(chunks) == 1:
-                    part = self._fail(chunks, e)
+                if len(group) == 1:
+                    part = self._fail(group, e)
                 else:
-                    groups += [chunks[half:], chunks[:half]]
+                    groups += [group[half:], group[:half]]
                     continue
             result.update(part)
         return result
 
-    def _fail_all(self, chunks: list[ScheduledChunk], e: Exception) -> ModelRunnerOutput:
+    def _fail_all(self, rids: list[str], e: Exception) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
-        for c in chunks:
-            result.update(self._fail([c], e))
+        for rid in rids:
+            result.update(self._fail([rid], e))
         return result
 
-    def _fail(self, chunks: list[ScheduledChunk], e: Exception) -> ModelRunnerOutput:
-        rid = chunks[0].request_id
+    def _fail(self, rids: list[str], e: Exception) -> ModelRunnerOutput:
+        rid = rids[0]
         log.error("request %s failed: its step raised %s: %s", rid, type(e).__name__, e,
                   exc_info=(type(e), e, e.__traceback__))
         self.num_failed_requests += 1
@@ -310,3 +311,8 @@ class LLMEngine:
         """Forget every cached prefix (benchmarks and tests start cold). Returns the blocks it held."""
         return self.scheduler.reset_prefix_cache()
 
+
+def _only(out: SchedulerOutput, rids: set[str]) -> SchedulerOutput:
+    """The step with only these requests' chunks and encoder work (a retry that isolates a failure)."""
+    return replace(out, chunks=[c for c in out.chunks if c.request_id in rids],
+                   encoder_inputs=[e for e in out.encoder_inputs if e[0] in rids])

@@ -36,7 +36,10 @@ def step_shape(num_decodes: int, num_prefill_tokens: int) -> str:
 
 
 def shape_of(out: SchedulerOutput) -> str:
-    """A step's shape: 'decode' exactly when it is a decode step (``SchedulerOutput.is_decode_step``)."""
+    """A step's shape: 'decode' exactly when it is a decode step (``SchedulerOutput.is_decode_step``);
+    'encoder' for a step of image encoding alone."""
+    if not out.chunks:
+        return "encoder"
     rows = out.num_decode_rows
     return step_shape(rows, out.total_num_scheduled_tokens - rows)
 
@@ -131,5 +134,5 @@ class StepProfiler:
 
 
 def _shape_order(shape: str) -> tuple[str, int]:
-    kind, size = shape.split(" ")
-    return kind, int(size.split("=")[1].split("-")[0])
+    kind, _, size = shape.partition(" ")
+    return kind, int(size.split("=")[1].split("-")[0]) if "=" in size else 0

@@ -1,8 +1,10 @@
 """The executor's side of images: the encoder cache and each step's image rows.
 
-The scheduler names the images to encode before a step (``SchedulerOutput.encoder_inputs``) and
-the outputs no chunk will read again (``freed_encoder_hashes``); outputs are kept by image hash,
-so the same image in several requests is encoded once. A chunk may cut an image's span anywhere:
+The scheduler names the images to encode before a step, each with how far (``SchedulerOutput.
+encoder_inputs``: an image's encoding may run across steps, a share a step, as ``ferry.model.
+encoding`` cuts it), and the outputs no chunk will read again (``freed_encoder_hashes``); outputs,
+and encodings in progress, are kept by image hash, so the same image in several requests is
+encoded once. A chunk may cut an image's span anywhere:
 it takes the rows of the output its tokens cover. Rope positions come from each request's images
 (``ferry.model.multimodal.RequestPositions``): a text-only request's stay as packed.
 """
@@ -16,6 +18,7 @@ import torch
 from ferry.core.outputs import SchedulerOutput
 from ferry.executor.batch import PackedBatch, row_groups
 from ferry.executor.request_state import RequestStates
+from ferry.model.encoding import EncodeJob
 from ferry.model.layers.vision import VisionOutput
 from ferry.model.multimodal import ImageEncoder, ImageRows, RequestPositions
 
@@ -29,29 +32,50 @@ class ImageSteps:
         # each prefill span names the images its chunk holds (whole: the scheduler never cuts one).
         self.bidirectional = bidirectional
         self.cache: dict[bytes, VisionOutput] = {}
+        self.jobs: dict[bytes, EncodeJob] = {}  # encodings in progress
         self.positions: dict[str, RequestPositions] = {}
-        self.seconds: list[float] = []  # each image encoded since the last ``take_seconds``
+        self.seconds: list[float] = []  # each image finished since the last ``take_seconds`` (all its steps)
 
     def take_seconds(self) -> list[float]:
-        """The encoder's seconds per image since the last call (once per step)."""
+        """The encoder's seconds per image finished since the last call (once per step)."""
         out, self.seconds = self.seconds, []
         return out
 
-    def apply(self, out: SchedulerOutput, states: RequestStates) -> None:
+    def apply(self, out: SchedulerOutput) -> None:
         """Drop the freed outputs, forget finished requests, encode the step's scheduled images."""
         for h in out.freed_encoder_hashes:
             self.cache.pop(h, None)
+            self.jobs.pop(h, None)
         for rid in out.finished_req_ids:
             self.positions.pop(rid, None)
-        for rid, i in out.encoder_inputs:
-            self._output(states[rid].images[i])
+        for _, image, upto in out.encoder_inputs:
+            self._advance(image, upto / image.length)
+
+    def _advance(self, image: Any, share: float) -> VisionOutput | None:
+        """Run the image's encoding until ``share`` of it is done (at 1, to its output)."""
+        got = self.cache.get(image.hash)
+        if got is not None:
+            return got
+        job = self.jobs.get(image.hash)
+        if job is None:
+            job = self.jobs[image.hash] = EncodeJob(self.encoder.pieces(image))
+        t0 = time.perf_counter()
+        try:
+            got = job.run_to(share)
+        except Exception:
+            del self.jobs[image.hash]  # a failed encoding starts over if asked again
+            raise
+        job.seconds += time.perf_counter() - t0
+        if got is not None:
+            self.cache[image.hash] = got
+            del self.jobs[image.hash]
+            self.seconds.append(job.seconds)
+        return got
 
     def _output(self, image: Any) -> VisionOutput:
-        got = self.cache.get(image.hash)
-        if got is None:  # scheduled in this step (or, defensively, needed and not held)
-            t0 = time.perf_counter()
-            got = self.cache[image.hash] = self.encoder.encode(image)
-            self.seconds.append(time.perf_counter() - t0)
+        """An image's rows: scheduled to be done by now (or, defensively, finished here)."""
+        got = self._advance(image, 1.0)
+        assert got is not None
         return got
 
     def rows(self, out: SchedulerOutput, batch: PackedBatch, states: RequestStates) -> ImageRows | None:

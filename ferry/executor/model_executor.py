@@ -272,8 +272,22 @@ class ModelExecutor(Executor):
         self.model.profiler = profiler
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if not out.chunks:
+            return self.encode_only(out)
         batch = self.prepare(out)
         return self.sample(batch, self.forward(batch))
+
+    def encode_only(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A step of encoder work alone (an image encoded across steps, no token ready to run):
+        its bookkeeping and its share of each image's encoding."""
+        self.sampler.forget(out.finished_req_ids)
+        self.states.apply(out)
+        result = ModelRunnerOutput()
+        if self.images is not None:
+            self.images.apply(out)
+            result.encoder_seconds = self.images.take_seconds()
+            self.tick("encoder")
+        return result
 
     # The three parts of a step (a tensor-parallel rank tells a failure of the first, which leaves
     # the ranks in step, from one inside the forward pass's collectives, which does not).
@@ -294,7 +308,7 @@ class ModelExecutor(Executor):
         batch = pack(out.chunks, self.states, self.block_size, out.state_copies)
         images = None
         if self.images is not None:  # encoder outputs, and the image rows and positions of the batch
-            self.images.apply(out, self.states)
+            self.images.apply(out)
             images = self.images.to(self.images.rows(out, batch, self.states), self.device)
             self.tick("encoder")
         batch = batch.to(self.device)

@@ -222,6 +222,13 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Any) -> None:
         if rank:  # rank 0 recorded its own tokens when it sampled them
             ex.states.append_tokens({rid: t for rid, t in sampled_before.items() if rid in ex.states.requests})
         error = None
+        if not out.chunks:  # encoder work alone: no forward pass, no collective
+            try:
+                result = ex.encode_only(out)  # every rank keeps the image rows its forward passes read
+                conn.send(("ok", result if rank == 0 else None))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+            continue
         try:
             for rid, text in grammars.items():
                 ex.grammars.hold_serialized(rid, text)

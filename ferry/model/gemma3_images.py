@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ferry.core.multimodal import ImageFeature
 from ferry.model.arch.gemma3 import TOWER_PREFIXES
+from ferry.model.encoding import Pieces, run_all
 from ferry.model.layers.siglip import SiglipVision
 from ferry.model.layers.vision import VisionOutput
 from ferry.model.mmproj import tower_source
@@ -83,10 +84,15 @@ class Gemma3Encoder:
         source = tower_source(Path(model_dir), mmproj, "gemma3", "Gemma 3", TOWER_PREFIXES)
         return None if source is None else cls(*source, dtype, device)
 
-    @torch.inference_mode()
-    def encode(self, image: ImageFeature) -> VisionOutput:
-        """One image's rows (its ``data``: the image processor's ``pixel_values`` [3, H, W])."""
-        rows = self.projector.forward(self.vision.encode(image.data["pixel_values"][None]))[0]
-        out = checked(VisionOutput(rows, []), image)
+    def pieces(self, image: ImageFeature) -> Pieces:
+        """One image's rows as pieces (``ferry.model.encoding``; its ``data``: the image
+        processor's ``pixel_values`` [3, H, W])."""
+        patches = yield from self.vision.encode_pieces(image.data["pixel_values"][None])
+        with torch.inference_mode():
+            rows = self.projector.forward(patches)[0]
         self.num_encoded += 1
-        return out
+        return checked(VisionOutput(rows, []), image)
+
+    def encode(self, image: ImageFeature) -> VisionOutput:
+        """One image's rows at once."""
+        return run_all(self.pieces(image))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ferry.core.multimodal import ImageFeature
+from ferry.model.encoding import Pieces, run_all
 from ferry.model.layers.idefics3 import Idefics3Vision
 from ferry.model.layers.vision import VisionOutput
 from ferry.model.mmproj import tower_source
@@ -39,9 +40,14 @@ class Idefics3Encoder:
         source = tower_source(Path(model_dir), mmproj, "idefics3", "Idefics3 / SmolVLM", TOWER_PREFIXES)
         return None if source is None else cls(*source, dtype, device)
 
-    def encode(self, image: ImageFeature) -> VisionOutput:
-        """One tile's rows (its ``data``: ``pixel_values`` [3, H, W], ``pixel_attention_mask`` [H, W])."""
-        rows = self.vision.encode(image.data["pixel_values"][None], image.data["pixel_attention_mask"][None])[0]
-        out = checked(VisionOutput(rows, []), image, "an image tile")
+    def pieces(self, image: ImageFeature) -> Pieces:
+        """One tile's rows as pieces (``ferry.model.encoding``; its ``data``: ``pixel_values``
+        [3, H, W], ``pixel_attention_mask`` [H, W])."""
+        rows = yield from self.vision.encode_pieces(image.data["pixel_values"][None],
+                                                    image.data["pixel_attention_mask"][None])
         self.num_encoded += 1
-        return out
+        return checked(VisionOutput(rows[0], []), image, "an image tile")
+
+    def encode(self, image: ImageFeature) -> VisionOutput:
+        """One tile's rows at once."""
+        return run_all(self.pieces(image))

@@ -14,6 +14,7 @@ import torch
 from ferry.core.multimodal import ImageFeature
 from ferry.model.arch.idefics3 import IDEFICS3_ARCHITECTURES
 from ferry.model.arch.qwen3_vl import IMAGE_ARCHITECTURES, column_axes, mrope_section, rope_positions
+from ferry.model.encoding import Pieces, run_all
 from ferry.model.layers.vision import Qwen3VLVision, VisionOutput
 from ferry.model.mmproj import tower_source
 
@@ -105,11 +106,16 @@ class ImageEncoder:
         source = tower_source(Path(model_dir), mmproj, "qwen3vl_merger", "Qwen3-VL", ("model.visual.",))
         return None if source is None else cls(*source, dtype, device)
 
-    def encode(self, image: ImageFeature) -> VisionOutput:
-        """One image's rows (its ``data``: the image processor's pixel_values and image_grid_thw)."""
-        out = checked(self.vision.encode(image.data["pixel_values"], image.data["image_grid_thw"]), image)
+    def pieces(self, image: ImageFeature) -> Pieces:
+        """One image's rows as pieces (``ferry.model.encoding``; its ``data``: the image processor's
+        pixel_values and image_grid_thw)."""
+        out = yield from self.vision.encode_pieces(image.data["pixel_values"], image.data["image_grid_thw"])
         self.num_encoded += 1
-        return out
+        return checked(out, image)
+
+    def encode(self, image: ImageFeature) -> VisionOutput:
+        """One image's rows at once."""
+        return run_all(self.pieces(image))
 
     def positions(self, images: tuple[ImageFeature, ...]) -> RequestPositions:
         """A request's rope positions from its images' spans and grids."""

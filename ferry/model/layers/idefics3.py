@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferry.model.encoding import Pieces, run_all
 from ferry.model.layers.siglip import SiglipVision, patch_mask_from_pixels
 
 VISION_PREFIX = "model.vision_model."
@@ -55,12 +56,16 @@ class Idefics3Vision:
         """Rows of one ``image_size`` square tile: (image_size / patch)**2 / scale_factor**2."""
         return self.tower.side * self.tower.side // (self.scale * self.scale)
 
-    @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def encode_pieces(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> Pieces:
         """[B, 3, H, W] tiles (normalized pixels) and their [B, H, W] pixel masks (1: image) ->
-        [B, tokens, text hidden]."""
+        [B, tokens, text hidden], as the tower's pieces (``ferry.model.encoding``)."""
         if pixel_mask is None:
             pixel_mask = torch.ones(pixel_values.shape[0], *pixel_values.shape[2:], dtype=torch.long)
         patches = patch_mask_from_pixels(pixel_mask.to("cpu"), self.tower.patch)
-        rows = self.tower.encode(pixel_values, patches)
-        return F.linear(pixel_shuffle(rows, self.scale), self.proj)
+        rows = yield from self.tower.encode_pieces(pixel_values, patches)
+        with torch.inference_mode():
+            return F.linear(pixel_shuffle(rows, self.scale), self.proj)
+
+    def encode(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``encode_pieces`` at once."""
+        return run_all(self.encode_pieces(pixel_values, pixel_mask))

@@ -28,6 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferry.model.encoding import Pieces, run_all, shares
+from ferry.model.layers.vision import PIECE_ROWS
+
 _LAYER_TENSORS = ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 
@@ -78,6 +81,7 @@ class SiglipVision:
         self.layers = [{n: pair(f"encoder.layers.{i}.{n}") for n in _LAYER_TENSORS}
                        for i in range(int(vc["num_hidden_layers"]))]
         self.post_norm = pair("post_layernorm") if f"{prefix}post_layernorm.weight" in tensors else None
+        self.piece_rows = PIECE_ROWS  # the most patch rows one piece of a layer takes
 
     def _patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> [B, (H/p) * (W/p), 3 * p * p]: each patch's pixels as the conv reads them."""
@@ -86,25 +90,35 @@ class SiglipVision:
         x = pixel_values.reshape(b, c, hh // p, p, ww // p, p).permute(0, 2, 4, 1, 3, 5)
         return x.reshape(b, (hh // p) * (ww // p), c * p * p)
 
-    def _attention(self, x: torch.Tensor, layer: dict[str, Any], keep: torch.Tensor | None) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, layer: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, heads, patches, head_dim] of a layer's normed input."""
         b, n, _ = x.shape
         hd = self.hidden // self.heads
 
         def heads(name: str) -> torch.Tensor:
-            return F.linear(x, *layer[name]).reshape(b, n, self.heads, hd).transpose(1, 2)
+            return F.linear(x, *layer[name]).reshape(b, n, self.heads, hd).transpose(1, 2).contiguous()
 
-        q, k, v = heads("self_attn.q_proj"), heads("self_attn.k_proj"), heads("self_attn.v_proj")
-        scores = torch.matmul(q, k.transpose(-1, -2)) * hd ** -0.5
+        return heads("self_attn.q_proj"), heads("self_attn.k_proj"), heads("self_attn.v_proj")
+
+    def _rows(self, x: torch.Tensor, lo: int, hi: int, layer: dict[str, Any],
+              qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keep: torch.Tensor | None) -> None:
+        """The rest of a layer for patch rows [lo, hi) of ``x``, in place: their attention over
+        every patch, the output projection and the MLP, each with its residual."""
+        q, k, v = qkv
+        scores = torch.matmul(q[:, :, lo:hi], k.transpose(-1, -2)) * (self.hidden // self.heads) ** -0.5
         if keep is not None:  # padded patches are no key
             scores = scores.masked_fill(~keep[:, None, None, :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        o = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.hidden)
-        return F.linear(o, *layer["self_attn.out_proj"])
+        o = torch.matmul(probs, v).transpose(1, 2).reshape(x.shape[0], hi - lo, self.hidden)
+        y = x[:, lo:hi] + F.linear(o, *layer["self_attn.out_proj"])
+        mid = F.layer_norm(y, (self.hidden,), *layer["layer_norm2"], eps=self.eps)
+        x[:, lo:hi] = y + F.linear(F.gelu(F.linear(mid, *layer["mlp.fc1"]), approximate=self.approximate),
+                                   *layer["mlp.fc2"])
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 3, H, W] normalized pixels (H, W multiples of the patch size) -> [B, patches, hidden]
-        after the post layernorm. ``patch_mask``: [B, H/p, W/p] bool (see the module's docstring)."""
+    def encode_pieces(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None = None) -> Pieces:
+        """``encode`` as pieces (``ferry.model.encoding``): the embedding; per layer its projections,
+        then its patch rows in chunks of at most ``piece_rows``."""
         x = F.linear(self._patches(pixel_values.to(self.device, self.dtype)), self.patch_w, self.patch_b)
         b, n = x.shape[:2]
         if patch_mask is None:
@@ -114,14 +128,25 @@ class SiglipVision:
             mask = patch_mask.to("cpu", torch.bool)
             ids = bucketed_position_ids(mask, self.side)
             keep = None if bool(mask.all()) else mask.reshape(b, -1).to(self.device)
+        chunks = -(-n // self.piece_rows)
+        step = -(-n // chunks)
+        done = iter(shares(1 + len(self.layers) * (1 + chunks)))
         x = x + self.pos_embed[ids.to(self.device)]
+        yield next(done)
         for layer in self.layers:
-            x = x + self._attention(F.layer_norm(x, (self.hidden,), *layer["layer_norm1"], eps=self.eps), layer, keep)
-            mid = F.layer_norm(x, (self.hidden,), *layer["layer_norm2"], eps=self.eps)
-            x = x + F.linear(F.gelu(F.linear(mid, *layer["mlp.fc1"]), approximate=self.approximate), *layer["mlp.fc2"])
+            qkv = self._heads(F.layer_norm(x, (self.hidden,), *layer["layer_norm1"], eps=self.eps), layer)
+            yield next(done)
+            for lo in range(0, n, step):
+                self._rows(x, lo, min(lo + step, n), layer, qkv, keep)
+                yield next(done)
         if self.post_norm is not None:
             x = F.layer_norm(x, (self.hidden,), *self.post_norm, eps=self.eps)
         return x
+
+    def encode(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 3, H, W] normalized pixels (H, W multiples of the patch size) -> [B, patches, hidden]
+        after the post layernorm. ``patch_mask``: [B, H/p, W/p] bool (see the module's docstring)."""
+        return run_all(self.encode_pieces(pixel_values, patch_mask))
 
 
 def patch_mask_from_pixels(pixel_mask: torch.Tensor, patch: int) -> torch.Tensor:

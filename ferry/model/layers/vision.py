@@ -17,6 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferry.model.encoding import Pieces, run_all, shares
+
+
+# About a quarter of a 448x448 image's 784 patches: a piece then costs about a block's projections.
+PIECE_ROWS = 256
+
 
 @dataclass
 class VisionOutput:
@@ -74,6 +80,8 @@ class Qwen3VLVision:
         self.deepstack = [_Merger(pair(f"deepstack_merger_list.{k}.norm"), pair(f"deepstack_merger_list.{k}.linear_fc1"),
                                   pair(f"deepstack_merger_list.{k}.linear_fc2"), True)
                           for k in range(len(self.deepstack_layers))]
+        # The most patch rows one piece of a block takes (the encoder's unit of work between steps).
+        self.piece_rows = PIECE_ROWS
 
     def _block_order(self, grid: torch.Tensor) -> torch.Tensor:
         """[h * w] flat raster indices of a (h, w) grid in merge-block order."""
@@ -108,7 +116,9 @@ class Qwen3VLVision:
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos()[:, None].to(self.device), emb.sin()[:, None].to(self.device)
 
-    def _attention(self, x: torch.Tensor, blk: dict[str, Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, blk: dict[str, Any], cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [heads, patches, head_dim] of a block's normed input, q and k turned by the 2-D rope."""
         n, hd = x.shape[0], self.hidden // self.heads
         q, k, v = F.linear(x, *blk["attn.qkv"]).reshape(n, 3, self.heads, hd).unbind(1)
 
@@ -117,28 +127,52 @@ class Qwen3VLVision:
             rotated = torch.cat((-zf[..., hd // 2:], zf[..., :hd // 2]), dim=-1)
             return (zf * cos + rotated * sin).to(z.dtype)
 
-        q, k = rope(q), rope(k)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+        return tuple(z.transpose(0, 1).contiguous() for z in (rope(q), rope(k), v))  # type: ignore[return-value]
+
+    def _rows(self, x: torch.Tensor, lo: int, hi: int, blk: dict[str, Any],
+              qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The rest of a block for rows [lo, hi) of ``x``, in place: their attention over every
+        patch, the projection and the MLP, each with its residual."""
+        q, k, v = qkv
+        scores = torch.matmul(q[:, lo:hi], k.transpose(1, 2)) * (self.hidden // self.heads) ** -0.5
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        o = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, self.hidden)
-        return F.linear(o, *blk["attn.proj"])
+        o = torch.matmul(probs, v).transpose(0, 1).reshape(hi - lo, self.hidden)
+        y = x[lo:hi] + F.linear(o, *blk["attn.proj"])
+        mid = F.layer_norm(y, (self.hidden,), *blk["norm2"], eps=1e-6)
+        x[lo:hi] = y + F.linear(F.gelu(F.linear(mid, *blk["mlp.linear_fc1"]), approximate=self.approximate),
+                                *blk["mlp.linear_fc2"])
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, grid_thw: Any) -> VisionOutput:
+    def encode_pieces(self, pixel_values: torch.Tensor, grid_thw: Any) -> Pieces:
         """One image: its processed patches [patches, channels * frames * patch * patch] and its
-        (t, h, w) patch grid -> its token rows and deepstack features."""
+        (t, h, w) patch grid -> its token rows and deepstack features, as pieces
+        (``ferry.model.encoding``): the embedding; per block its projections, then its rows in
+        chunks of at most ``piece_rows``; each deepstack merger; the merger."""
         t, h, w = (int(v) for v in grid_thw)
         x = F.linear(pixel_values.to(self.device, self.dtype).reshape(-1, self.patch_w.shape[1]),
                      self.patch_w, self.patch_b)
+        n = x.shape[0]
+        chunks = -(-n // self.piece_rows)
+        step = -(-n // chunks)
+        done = iter(shares(2 + len(self.blocks) * (1 + chunks) + len(self.deepstack)))
         x = x + self._positions(t, h, w)
         cos, sin = self._rotation(t, h, w)
         group = self.merge ** 2
         deepstack = []
+        yield next(done)
         for i, blk in enumerate(self.blocks):
-            x = x + self._attention(F.layer_norm(x, (self.hidden,), *blk["norm1"], eps=1e-6), blk, cos, sin)
-            hmid = F.layer_norm(x, (self.hidden,), *blk["norm2"], eps=1e-6)
-            x = x + F.linear(F.gelu(F.linear(hmid, *blk["mlp.linear_fc1"]), approximate=self.approximate),
-                             *blk["mlp.linear_fc2"])
+            qkv = self._heads(F.layer_norm(x, (self.hidden,), *blk["norm1"], eps=1e-6), blk, cos, sin)
+            yield next(done)
+            for lo in range(0, n, step):
+                self._rows(x, lo, min(lo + step, n), blk, qkv)
+                yield next(done)
             if i in self.deepstack_layers:
                 deepstack.append(self.deepstack[self.deepstack_layers.index(i)].forward(x, group))
-        return VisionOutput(self.merger.forward(x, group), deepstack)
+                yield next(done)
+        merged = self.merger.forward(x, group)
+        yield next(done)
+        return VisionOutput(merged, deepstack)
+
+    def encode(self, pixel_values: torch.Tensor, grid_thw: Any) -> VisionOutput:
+        """``encode_pieces`` at once."""
+        return run_all(self.encode_pieces(pixel_values, grid_thw))
