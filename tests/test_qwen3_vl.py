@@ -214,3 +214,18 @@ def test_qwen3_5_with_its_vision_tower_matches_transformers(tmp_path):
     print(f"qwen3.5 with images max |d logprob| {diff:.2e}")
     assert diff < TOL
     assert llm.engine.num_preemptions > 0
+    # An image that will not encode fails its request alone (recurrent states make a retry of the
+    # step unsafe, so encoder work runs, and fails, before anything else of the step moves).
+    llm = engine(tmp_path, max_num_encoder_tokens=5)
+    images = llm.engine.executor.images
+    bad, pieces = prompts[1][1][1].hash, images.encoder.pieces
+
+    def failing(image):
+        if image.hash == bad:
+            raise RuntimeError("the tower broke")
+        return (yield from pieces(image))
+
+    images.encoder.pieces = failing
+    outs = run(llm, prompts)
+    assert outs[1].outputs[0].finish_reason == "error" and "the tower broke" in str(outs[1].outputs[0].stop_reason)
+    assert check(outs[:1], prompts, refs, [0]) < TOL

@@ -196,3 +196,21 @@ def test_a_server_on_two_ranks_serves_then_reports_a_dead_rank():
         health = httpx.get(proc.url + "/health", timeout=10)
         assert health.status_code == 503 and "rank" in health.json()["error"]["message"]
     assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in ranks)
+
+
+def test_an_images_pixels_reach_the_ranks_with_its_first_share_only():
+    from ferry.core.multimodal import ImageFeature
+    from ferry.core.outputs import SchedulerOutput
+    from ferry.executor.tensor_parallel import without_sent_pixels
+
+    a, b = ImageFeature(b"a", 3, 16, data={"pixel_values": 1}), ImageFeature(b"b", 20, 4, data={"pixel_values": 2})
+    sent: set[bytes] = set()
+    first = without_sent_pixels(SchedulerOutput(encoder_inputs=[("r", a, 5)]), sent)
+    assert first.encoder_inputs[0][1].data is not None and sent == {b"a"}
+    out = SchedulerOutput(encoder_inputs=[("r", a, 10), ("s", b, 4)])
+    again = without_sent_pixels(out, sent)
+    assert again.step_id == out.step_id and again.encoder_inputs[0][1].data is None
+    assert again.encoder_inputs[0][1].hash == b"a" and again.encoder_inputs[1][1].data is not None
+    # A freed image is sent whole again the next time it is encoded.
+    without_sent_pixels(SchedulerOutput(freed_encoder_hashes=[b"a"]), sent)
+    assert without_sent_pixels(SchedulerOutput(encoder_inputs=[("t", a, 5)]), sent).encoder_inputs[0][1].data

@@ -116,7 +116,7 @@ class SchedulerOutput:
     def is_decode_step(self) -> bool:
         """A step of decode chunks only (``ScheduledChunk.decode``), padding included: every row a
         one-token query, which the model's fused decode path runs whole."""
-        return all(c.decode for c in self.chunks)
+        return bool(self.chunks) and all(c.decode for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -165,6 +165,15 @@ class ModelRunnerOutput:
         self.errors.update(other.errors)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.pooled.update(other.pooled)
+
+
+class RequestFailed(RuntimeError):
+    """A step's work for one request failed before the step moved any state (an image that would
+    not encode): the engine fails that request and runs the rest of the step."""
+
+    def __init__(self, request_id: str, reason: BaseException) -> None:
+        super().__init__(f"{type(reason).__name__}: {reason}")
+        self.request_id = request_id
 
 
 class ExecutorDead(RuntimeError):

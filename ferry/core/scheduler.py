@@ -205,6 +205,8 @@ class Scheduler:
 
         self._in_flight = {}
         self._advance(self.running, scheduled, out)
+        if self.encoder_refs:
+            self._finish_read_images(out)
         for h, upto in self._enc.upto.items():
             self.encoded[h] = max(self.encoded.get(h, 0), upto)
         if self.encoder_refs or self._unread:
@@ -462,8 +464,9 @@ class Scheduler:
         is not done by the end of this step (0: not even the chunk's first token), and the encoder
         work to run for it: (image index, tokens' worth its encoding reaches), within the step's
         encoder budget left (an image larger than the budget is encoded over several steps)."""
+        overran = False
         if self.whole_images:
-            num = self._whole_images(req, start, num)
+            num, overran = self._whole_images(req, start, num)
         end, todo, left = start + num, [], self._enc.left
         upto = dict(self._enc.upto)
         for i, im in enumerate(req.images):
@@ -478,13 +481,16 @@ class Scheduler:
                 done = upto[im.hash] = done + more
                 todo.append((i, done))
             if done < im.length:
+                if overran:  # the chunk stops before the image it would have taken whole: another may
+                    self._enc.overrun = False
                 return max(0, im.offset - start), todo
         return num, todo
 
-    def _whole_images(self, req: Request, start: int, num: int) -> int:
+    def _whole_images(self, req: Request, start: int, num: int) -> tuple[int, bool]:
         """``num`` such that the chunk [start, start + num) cuts no image: it ends before an image it
         would cut, or, when that image is where the chunk starts, takes the image whole, past the
-        step's token budget if it must (one such chunk a step); 0: the image waits for the next step."""
+        step's token budget if it must (one such chunk a step: then True); 0: the image waits for
+        the next step."""
         end = start + num
         for im in req.images:
             if im.offset >= end:
@@ -492,12 +498,12 @@ class Scheduler:
             if im.end <= end or im.end <= start:
                 continue  # inside the chunk, or before it
             if im.offset > start:
-                return im.offset - start
+                return im.offset - start, False
             if self._enc.overrun:
-                return 0
+                return 0, False
             self._enc.overrun = True
-            return im.end - start
-        return num
+            return im.end - start, True
+        return num, False
 
     def _commit_images(self, req: Request, start: int, num: int, todo: list[tuple[int, int]],
                        out: SchedulerOutput) -> None:
@@ -520,6 +526,9 @@ class Scheduler:
                 self.encoder_refs.setdefault(im.hash, set()).add(rid)
                 if end >= last[im.hash] == im.end:
                     self._encoder_releases.append((im.hash, rid))
+            elif last[im.hash] <= start and rid in self.encoder_refs.get(im.hash, ()):
+                # encoded for it while it waited, then passed by a prefix-cache hit: no chunk reads it
+                self._encoder_releases.append((im.hash, rid))
 
     def _drop_images(self, req: Request) -> None:
         """A request that leaves (finished or preempted) reads none of its images' outputs any more."""
@@ -527,6 +536,18 @@ class Scheduler:
             refs = self.encoder_refs.get(im.hash)
             if refs is not None:
                 refs.discard(req.request_id)
+
+    def _finish_read_images(self, out: SchedulerOutput) -> None:
+        """Every image a chunk reads is encoded whole by the end of the step: a chunk may have been
+        planned on another request's encoder work that a later preemption in the step dropped."""
+        enc = self._enc
+        for c in out.chunks:
+            req = self._in_flight[c.request_id]
+            for im in req.images:
+                if im.overlaps(c.start, c.start + c.num_tokens) and \
+                        max(self.encoded.get(im.hash, 0), enc.upto.get(im.hash, 0)) < im.length:
+                    out.encoder_inputs.append((c.request_id, im, im.length))
+                    enc.upto[im.hash] = im.length
 
     def _drop_encoder_work(self, req: Request, out: SchedulerOutput) -> None:
         """A request preempted in the step that planned its encoder work: that work is not run, and
@@ -542,10 +563,15 @@ class Scheduler:
         """Encoder outputs no request will read again: the executor drops them before this step."""
         out.freed_encoder_hashes.extend(self._unread)
         self._unread = []
-        for h in [h for h, refs in self.encoder_refs.items() if not refs]:
+        out.freed_encoder_hashes.extend(self._unreferenced())
+
+    def _unreferenced(self) -> list[bytes]:
+        """Forget the images no request will read again (the executor is to drop them)."""
+        gone = [h for h, refs in self.encoder_refs.items() if not refs]
+        for h in gone:
             del self.encoder_refs[h]
             self.encoded.pop(h, None)
-            out.freed_encoder_hashes.append(h)
+        return gone
 
     def _victim_key(self, req: Request) -> tuple:
         # The last-arrived goes first; under "priority", the least urgent first.
@@ -579,10 +605,7 @@ class Scheduler:
         """Forget every cached prefix, and the encoder outputs no request reads (the executor drops
         them before the next step; the same image is then encoded again). Returns how many blocks
         the cache held."""
-        for h in [h for h, refs in self.encoder_refs.items() if not refs]:
-            del self.encoder_refs[h]
-            self.encoded.pop(h, None)
-            self._unread.append(h)
+        self._unread.extend(self._unreferenced())
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ after the step
@@ -644,9 +667,10 @@ class Scheduler:
                 self.finish_request(req, status)
             changed.append(req)
         if errors and out.encoder_inputs:  # a request whose image failed to encode, in a step without its chunk
-            for rid in dict.fromkeys(r for r, _, _ in out.encoder_inputs if r in errors):
+            chunked = {c.request_id for c in out.chunks}
+            for rid in dict.fromkeys(r for r, _, _ in out.encoder_inputs if r in errors and r not in chunked):
                 req = self.requests.get(rid)
-                if req is not None and not req.status.finished and all(c.request_id != rid for c in out.chunks):
+                if req is not None and not req.status.finished:
                     self.finish_request(req, RequestStatus.FINISHED_ERROR, errors[rid])
                     changed.append(req)
         return changed

@@ -12,7 +12,7 @@ from ferry.core.admission import Admission, Admitted
 from ferry.core.clock import WallClock
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.multimodal import ImageFeature
-from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, SchedulerOutput
+from ferry.core.outputs import ExecutorDead, ModelRunnerOutput, RequestFailed, SchedulerOutput
 from ferry.core.request import Request, RequestStatus
 from ferry.core.sampling_params import SamplingParams
 from ferry.core.scheduler import Scheduler
@@ -229,10 +229,16 @@ class LLMEngine:
             return self.executor.execute(out)
         except ExecutorDead:
             raise
+        except RequestFailed as e:  # before anything moved: the rest of the step runs without it
+            failed = self._fail(e.request_id, e)
+            rest = _only(out, set(_request_ids(out)) - {e.request_id})
+            if not rest.is_empty:
+                failed.update(self._execute(rest))
+            return failed
         except Exception as e:
-            rids = list(dict.fromkeys([c.request_id for c in out.chunks] + [r for r, _, _ in out.encoder_inputs]))
+            rids = _request_ids(out)
             if len(rids) == 1:
-                return self._fail(rids, e)
+                return self._fail(rids[0], e)
             if self.executor.num_state_slots:  # a retry would advance recurrent states twice
                 return self._fail_all(rids, e)
             log.info("a step of %d requests failed (%s: %s); retrying in smaller groups to find "
@@ -248,7 +254,7 @@ class LLMEngine:
                 raise
             except Exception as e:
                 if len(group) == 1:
-                    part = self._fail(group, e)
+                    part = self._fail(group[0], e)
                 else:
                     groups += [group[half:], group[:half]]
                     continue
@@ -258,11 +264,10 @@ class LLMEngine:
     def _fail_all(self, rids: list[str], e: Exception) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         for rid in rids:
-            result.update(self._fail([rid], e))
+            result.update(self._fail(rid, e))
         return result
 
-    def _fail(self, rids: list[str], e: Exception) -> ModelRunnerOutput:
-        rid = rids[0]
+    def _fail(self, rid: str, e: Exception) -> ModelRunnerOutput:
         log.error("request %s failed: its step raised %s: %s", rid, type(e).__name__, e,
                   exc_info=(type(e), e, e.__traceback__))
         self.num_failed_requests += 1
@@ -310,6 +315,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (benchmarks and tests start cold). Returns the blocks it held."""
         return self.scheduler.reset_prefix_cache()
+
+
+def _request_ids(out: SchedulerOutput) -> list[str]:
+    """The requests with work in the step (chunks, then encoder work alone), once each."""
+    return list(dict.fromkeys([c.request_id for c in out.chunks] + [r for r, _, _ in out.encoder_inputs]))
 
 
 def _only(out: SchedulerOutput, rids: set[str]) -> SchedulerOutput:

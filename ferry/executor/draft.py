@@ -149,15 +149,18 @@ class DraftModel:
         self.kv_caches = allocate(self.cfg.num_layers, self.groups, num_blocks * self.block_size, self.kv_dtype, zeros)
 
     # ------------------------------------------------------------------ one step
+    def forget(self, out: SchedulerOutput) -> None:
+        """Drop the step's finished and preempted requests (a preempted one's blocks are new: both
+        models recompute them). Once per step: ``propose`` calls it."""
+        for rid in list(out.finished_req_ids) + list(out.preempted_req_ids):
+            self.lens.pop(rid, None)
+
     def propose(self, out: SchedulerOutput, states: RequestStates) -> dict[str, torch.Tensor]:
         """Run the draft over the step: catch up with every chunk's known tokens, then propose each
         verify chunk's drafts (written into ``chunk.spec_token_ids``). Returns, for requests that
         sample at a temperature, the draft's distributions ``[k, vocab]`` the proposals were drawn
         from (the verifier's ``q``); greedy requests get the draft's argmax chain."""
-        for rid in out.finished_req_ids:
-            self.lens.pop(rid, None)
-        for rid in out.preempted_req_ids:
-            self.lens.pop(rid, None)  # its blocks are new: both models recompute them
+        self.forget(out)
         if not any(c.spec_token_ids for c in out.chunks):
             # No verify in this step (adaptive_k chose none): the draft catches up later, from where
             # it stopped (a request it has not seen, from its first chunk's start).

@@ -236,11 +236,15 @@ class Gemma4AssistantProposer(MTPProposer):
         """The target's K/V layers, which the assistant reads."""
         self.target_caches = kv_caches
 
+    def forget(self, out: Any) -> None:
+        """Drop the step's finished and preempted requests. Once per step: ``propose`` calls it."""
+        for rid in list(out.finished_req_ids) + list(out.preempted_req_ids):
+            self.pending.pop(rid, None)
+
     def propose(self, out: Any, states: Any) -> dict[str, torch.Tensor]:
         """Write each verify chunk's drafts into ``chunk.spec_token_ids``; returns the drafts'
         distributions for requests that sample at a temperature (the verifier's ``q``)."""
-        for rid in list(out.finished_req_ids) + list(out.preempted_req_ids):
-            self.pending.pop(rid, None)
+        self.forget(out)
         dists: dict[str, torch.Tensor] = {}
         for c in out.chunks:
             r = states[c.request_id]

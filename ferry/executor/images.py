@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ferry.core.outputs import SchedulerOutput
+from ferry.core.outputs import RequestFailed, SchedulerOutput
 from ferry.executor.batch import PackedBatch, row_groups
 from ferry.executor.request_state import RequestStates
 from ferry.model.encoding import EncodeJob
@@ -42,14 +42,19 @@ class ImageSteps:
         return out
 
     def apply(self, out: SchedulerOutput) -> None:
-        """Drop the freed outputs, forget finished requests, encode the step's scheduled images."""
+        """Drop the freed outputs (and encodings in progress), forget finished requests, and run each
+        scheduled image's encoding as far as the step takes it; an image that fails to encode
+        raises ``RequestFailed`` naming the request whose work it was."""
         for h in out.freed_encoder_hashes:
             self.cache.pop(h, None)
             self.jobs.pop(h, None)
         for rid in out.finished_req_ids:
             self.positions.pop(rid, None)
-        for _, image, upto in out.encoder_inputs:
-            self._advance(image, upto / image.length)
+        for rid, image, upto in out.encoder_inputs:
+            try:
+                self._advance(image, upto / image.length)
+            except Exception as e:
+                raise RequestFailed(rid, e) from e
 
     def _advance(self, image: Any, share: float) -> VisionOutput | None:
         """Run the image's encoding until ``share`` of it is done (at 1, to its output)."""

@@ -280,23 +280,31 @@ class ModelExecutor(Executor):
     def encode_only(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """A step of encoder work alone (an image encoded across steps, no token ready to run):
         its bookkeeping and its share of each image's encoding."""
-        self.sampler.forget(out.finished_req_ids)
-        self.states.apply(out)
+        self._take_in(out)
+        for proposer in (self.draft, self.mtp):
+            if proposer is not None:
+                proposer.forget(out)
         result = ModelRunnerOutput()
         if self.images is not None:
-            self.images.apply(out)
             result.encoder_seconds = self.images.take_seconds()
-            self.tick("encoder")
         return result
 
-    # The three parts of a step (a tensor-parallel rank tells a failure of the first, which leaves
-    # the ranks in step, from one inside the forward pass's collectives, which does not).
-    def prepare(self, out: SchedulerOutput) -> PackedBatch:
-        """Take in the step's bookkeeping and pack its tokens."""
+    def _take_in(self, out: SchedulerOutput) -> None:
+        """The step's bookkeeping, then its encoder work (before anything else moves: a request
+        whose image fails to encode fails alone, ``RequestFailed``)."""
         # Process-wide in torch: set for every step, as another engine in this process may differ.
         torch.backends.mkldnn.matmul.fp32_precision = self.matmul_precision
         self.sampler.forget(out.finished_req_ids)
         self.states.apply(out)
+        if self.images is not None:
+            self.images.apply(out)
+            self.tick("encoder")
+
+    # The three parts of a step (a tensor-parallel rank tells a failure of the first, which leaves
+    # the ranks in step, from one inside the forward pass's collectives, which does not).
+    def prepare(self, out: SchedulerOutput) -> PackedBatch:
+        """Take in the step's bookkeeping and encoder work, and pack its tokens."""
+        self._take_in(out)
         if self.draft is not None:  # fills the verify chunks' drafts before they are packed
             self.draft_dists = self.draft.propose(out, self.states)
             self.tick("draft")
@@ -307,10 +315,8 @@ class ModelExecutor(Executor):
             self.tick("draft")
         batch = pack(out.chunks, self.states, self.block_size, out.state_copies)
         images = None
-        if self.images is not None:  # encoder outputs, and the image rows and positions of the batch
-            self.images.apply(out)
+        if self.images is not None:  # the image rows and positions of the batch
             images = self.images.to(self.images.rows(out, batch, self.states), self.device)
-            self.tick("encoder")
         batch = batch.to(self.device)
         batch.images = images
         self.tick("pack")

@@ -210,6 +210,12 @@ class MTPProposer:
         self.pending[rid] = (start, rows.detach().clone())
 
     # ------------------------------------------------------------------ one step
+    def forget(self, out: Any) -> None:
+        """Drop the step's finished and preempted requests. Once per step: ``propose`` calls it."""
+        for rid in list(out.finished_req_ids) + list(out.preempted_req_ids):
+            self.lens.pop(rid, None)
+            self.pending.pop(rid, None)
+
     def propose(self, out: Any, states: Any) -> dict[str, torch.Tensor]:
         """Catch the head up with every chunk's request, then write each verify chunk's drafts into
         ``chunk.spec_token_ids``; returns the drafts' distributions for requests that sample at a
@@ -217,9 +223,7 @@ class MTPProposer:
         from ferry.core.outputs import ScheduledChunk
         from ferry.executor.draft import _DraftView
 
-        for rid in list(out.finished_req_ids) + list(out.preempted_req_ids):
-            self.lens.pop(rid, None)
-            self.pending.pop(rid, None)
+        self.forget(out)
         first: list[Any] = []
         views: dict[str, Any] = {}
         hidden: dict[str, torch.Tensor] = {}

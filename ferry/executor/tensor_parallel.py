@@ -17,6 +17,7 @@ the engine stops with ExecutorDead, which names the rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -72,6 +73,7 @@ class TensorParallelExecutor(Executor):
                 raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; torch sees "
                                  f"{torch.cuda.device_count()}")
         self.config = config
+        self._sent_images: set[bytes] = set()  # images whose pixels the ranks hold (``without_sent_pixels``)
         self.device, self.dtype_name = setup.device, setup.dtype_name
         self.max_model_len = setup.max_model_len
         self.model_config = setup.model_config
@@ -117,6 +119,7 @@ class TensorParallelExecutor(Executor):
         grammars = {r.request_id: g for r in out.new_requests
                     if (g := self.grammars.serialized(r.request_id)) is not None}
         self.grammars.release(out.finished_req_ids)
+        out = without_sent_pixels(out, self._sent_images)
         msg = pickle.dumps((out, self._pending, {}), protocol=pickle.HIGHEST_PROTOCOL)
         first = pickle.dumps((out, self._pending, grammars), protocol=pickle.HIGHEST_PROTOCOL) if grammars else msg
         self._pending = {}
@@ -125,7 +128,11 @@ class TensorParallelExecutor(Executor):
                 conn.send_bytes(first if rank == 0 else msg)
             except OSError as e:
                 self._die(f"tensor-parallel rank {rank} is gone ({e})")
-        result = self._replies(self.timeout + REPLY_GRACE_S)[0]
+        try:
+            result = self._replies(self.timeout + REPLY_GRACE_S)[0]
+        except Exception:
+            self._sent_images.clear()  # a rank may have dropped an encoding in progress: send pixels again
+            raise
         self._pending.update(result.sampled)
         return result
 
@@ -254,3 +261,18 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Any) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def without_sent_pixels(out: SchedulerOutput, sent: set[bytes]) -> SchedulerOutput:
+    """The step as the ranks need it: an image's pixels travel with the first share of its encoding
+    only (each rank keeps the encoding by hash); ``sent`` is updated, and forgets freed images."""
+    sent.difference_update(out.freed_encoder_hashes)
+    if not out.encoder_inputs:
+        return out
+    inputs = []
+    for rid, image, upto in out.encoder_inputs:
+        if image.hash in sent:
+            image = dataclasses.replace(image, data=None)
+        sent.add(image.hash)
+        inputs.append((rid, image, upto))
+    return dataclasses.replace(out, encoder_inputs=inputs)

@@ -11,6 +11,17 @@ from typing import Any
 
 Pieces = Generator[float, None, Any]
 
+# The most patch rows one piece of a tower's block takes: about a quarter of a 448x448 image's 784
+# patches, so a piece costs about as much as a block's projections.
+PIECE_ROWS = 256
+
+
+def row_spans(n: int, most: int = PIECE_ROWS) -> list[tuple[int, int]]:
+    """[lo, hi) spans of about equal size, at most ``most`` rows each, covering ``n`` rows."""
+    chunks = -(-n // most)
+    step = -(-n // chunks)
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
 
 def run_all(pieces: Pieces) -> Any:
     """The generator's output, every piece run."""
@@ -41,7 +52,8 @@ class EncodeJob:
     def run_to(self, share: float) -> Any:
         """Run pieces until ``share`` (of 1) is done; at 1 or more, to the end. The output once
         the last piece has run, else None."""
-        while not self.done and (self.share < share or share >= 1):
+        to_the_end = share >= 1  # the last piece yields 1 before the output comes
+        while not self.done and (to_the_end or self.share < share):
             try:
                 self.share = next(self.pieces)
             except StopIteration as e:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferry.model.encoding import Pieces, run_all
+from ferry.model.encoding import Pieces
 from ferry.model.layers.siglip import SiglipVision, patch_mask_from_pixels
 
 VISION_PREFIX = "model.vision_model."
@@ -65,7 +65,3 @@ class Idefics3Vision:
         rows = yield from self.tower.encode_pieces(pixel_values, patches)
         with torch.inference_mode():
             return F.linear(pixel_shuffle(rows, self.scale), self.proj)
-
-    def encode(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``encode_pieces`` at once."""
-        return run_all(self.encode_pieces(pixel_values, pixel_mask))

@@ -13,7 +13,7 @@ transformers' ``SiglipVisionTransformer`` (and Idefics3's copy of it):
 API::
 
     tower = SiglipVision(vision_config, tensors, prefix="model.vision_model.", dtype=..., device=...)
-    rows = tower.encode(pixel_values, patch_mask=None)  # [B, 3, H, W] -> [B, (H/p) * (W/p), hidden]
+    rows = run_all(tower.encode_pieces(pixel_values, patch_mask=None))  # [B, 3, H, W] -> [B, (H/p) * (W/p), hidden]
 
 ``patch_mask`` ([B, H/p, W/p] bool, True where a patch holds image pixels) selects Idefics3's
 position ids: each real patch takes the table row of its fractional (row, column) in the image,
@@ -28,8 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferry.model.encoding import Pieces, run_all, shares
-from ferry.model.layers.vision import PIECE_ROWS
+from ferry.model.encoding import PIECE_ROWS, Pieces, row_spans, shares
 
 _LAYER_TENSORS = ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -117,8 +116,10 @@ class SiglipVision:
 
     @torch.inference_mode()
     def encode_pieces(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None = None) -> Pieces:
-        """``encode`` as pieces (``ferry.model.encoding``): the embedding; per layer its projections,
-        then its patch rows in chunks of at most ``piece_rows``."""
+        """[B, 3, H, W] normalized pixels (H, W multiples of the patch size) -> [B, patches, hidden]
+        after the post layernorm, as pieces (``ferry.model.encoding``): the embedding; per layer its
+        projections, then its patch rows in chunks of at most ``piece_rows``. ``patch_mask``:
+        [B, H/p, W/p] bool (see the module's docstring)."""
         x = F.linear(self._patches(pixel_values.to(self.device, self.dtype)), self.patch_w, self.patch_b)
         b, n = x.shape[:2]
         if patch_mask is None:
@@ -128,25 +129,19 @@ class SiglipVision:
             mask = patch_mask.to("cpu", torch.bool)
             ids = bucketed_position_ids(mask, self.side)
             keep = None if bool(mask.all()) else mask.reshape(b, -1).to(self.device)
-        chunks = -(-n // self.piece_rows)
-        step = -(-n // chunks)
-        done = iter(shares(1 + len(self.layers) * (1 + chunks)))
+        spans = row_spans(n, self.piece_rows)
+        done = iter(shares(1 + len(self.layers) * (1 + len(spans))))
         x = x + self.pos_embed[ids.to(self.device)]
         yield next(done)
         for layer in self.layers:
             qkv = self._heads(F.layer_norm(x, (self.hidden,), *layer["layer_norm1"], eps=self.eps), layer)
             yield next(done)
-            for lo in range(0, n, step):
-                self._rows(x, lo, min(lo + step, n), layer, qkv, keep)
+            for lo, hi in spans:
+                self._rows(x, lo, hi, layer, qkv, keep)
                 yield next(done)
         if self.post_norm is not None:
             x = F.layer_norm(x, (self.hidden,), *self.post_norm, eps=self.eps)
         return x
-
-    def encode(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 3, H, W] normalized pixels (H, W multiples of the patch size) -> [B, patches, hidden]
-        after the post layernorm. ``patch_mask``: [B, H/p, W/p] bool (see the module's docstring)."""
-        return run_all(self.encode_pieces(pixel_values, patch_mask))
 
 
 def patch_mask_from_pixels(pixel_mask: torch.Tensor, patch: int) -> torch.Tensor:

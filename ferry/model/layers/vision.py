@@ -17,11 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferry.model.encoding import Pieces, run_all, shares
-
-
-# About a quarter of a 448x448 image's 784 patches: a piece then costs about a block's projections.
-PIECE_ROWS = 256
+from ferry.model.encoding import PIECE_ROWS, Pieces, row_spans, shares
 
 
 @dataclass
@@ -151,10 +147,8 @@ class Qwen3VLVision:
         t, h, w = (int(v) for v in grid_thw)
         x = F.linear(pixel_values.to(self.device, self.dtype).reshape(-1, self.patch_w.shape[1]),
                      self.patch_w, self.patch_b)
-        n = x.shape[0]
-        chunks = -(-n // self.piece_rows)
-        step = -(-n // chunks)
-        done = iter(shares(2 + len(self.blocks) * (1 + chunks) + len(self.deepstack)))
+        spans = row_spans(x.shape[0], self.piece_rows)
+        done = iter(shares(2 + len(self.blocks) * (1 + len(spans)) + len(self.deepstack)))
         x = x + self._positions(t, h, w)
         cos, sin = self._rotation(t, h, w)
         group = self.merge ** 2
@@ -163,8 +157,8 @@ class Qwen3VLVision:
         for i, blk in enumerate(self.blocks):
             qkv = self._heads(F.layer_norm(x, (self.hidden,), *blk["norm1"], eps=1e-6), blk, cos, sin)
             yield next(done)
-            for lo in range(0, n, step):
-                self._rows(x, lo, min(lo + step, n), blk, qkv)
+            for lo, hi in spans:
+                self._rows(x, lo, hi, blk, qkv)
                 yield next(done)
             if i in self.deepstack_layers:
                 deepstack.append(self.deepstack[self.deepstack_layers.index(i)].forward(x, group))
@@ -172,7 +166,3 @@ class Qwen3VLVision:
         merged = self.merger.forward(x, group)
         yield next(done)
         return VisionOutput(merged, deepstack)
-
-    def encode(self, pixel_values: torch.Tensor, grid_thw: Any) -> VisionOutput:
-        """``encode_pieces`` at once."""
-        return run_all(self.encode_pieces(pixel_values, grid_thw))
