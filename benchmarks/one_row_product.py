@@ -53,7 +53,10 @@ def main() -> None:
     p.add_argument("n", type=int, help="output rows")
     p.add_argument("k", type=int, help="input columns")
     p.add_argument("--streamed-mib", type=int, default=640, help="bytes of copies the streamed run cycles through")
+    p.add_argument("--threads", type=int, help="threads of the product and the probe (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hot = weight(args.qtype, args.n, args.k)
     x = torch.randn(1, args.k)
     cached = hot.nbytes / seconds([hot], x, 200)

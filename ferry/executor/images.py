@@ -1,11 +1,11 @@
 """The executor's side of images: the encoder cache and each step's image rows.
 
-The scheduler names the images to encode before a step, each with how far (``SchedulerOutput.
-encoder_inputs``: an image's encoding may run across steps, a share a step, as ``ferry.model.
-encoding`` cuts it), and the outputs no chunk will read again (``freed_encoder_hashes``); outputs,
-and encodings in progress, are kept by image hash, so the same image in several requests is
-encoded once. A chunk may cut an image's span anywhere:
-it takes the rows of the output its tokens cover. Rope positions come from each request's images
+The scheduler names the images to encode before a step, each with how far
+(``SchedulerOutput.encoder_inputs``: an image's encoding may run across steps, a share a step, in
+the pieces of ``ferry.model.encoding``), and the outputs no chunk will read again
+(``freed_encoder_hashes``). Outputs, and encodings in progress, are kept by image hash, so the same
+image in several requests is encoded once. A chunk may cut an image's span anywhere: it takes the
+rows of the output its tokens cover. Rope positions come from each request's images
 (``ferry.model.multimodal.RequestPositions``): a text-only request's stay as packed.
 """
 from __future__ import annotations
