@@ -229,3 +229,26 @@ def test_qwen3_5_with_its_vision_tower_matches_transformers(tmp_path):
     outs = run(llm, prompts)
     assert outs[1].outputs[0].finish_reason == "error" and "the tower broke" in str(outs[1].outputs[0].stop_reason)
     assert check(outs[:1], prompts, refs, [0]) < TOL
+
+
+def test_a_step_of_encoder_work_alone_keeps_the_executors_bookkeeping(vl):
+    """Such a step may carry requests that finished (the last decoder ending while prompts wait at
+    their images): the sampler, the request states and a proposer (draft, MTP) forget them there."""
+    from ferry.core.outputs import SchedulerOutput
+
+    path, model, prompter, prompts, refs = vl
+    llm = engine(path)
+    ex = llm.engine.executor
+    forgotten = []
+
+    class Proposer:
+        def forget(self, out):
+            forgotten.extend(out.finished_req_ids)
+
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    (rid,) = ex.states.requests
+    ex.mtp = Proposer()
+    ids, images = prompts[0]
+    result = ex.execute(SchedulerOutput(finished_req_ids=[rid], encoder_inputs=[("w", images[0], 4)]))
+    assert forgotten == [rid] and rid not in ex.states.requests and result.sampled == {}
+    assert 0.25 <= ex.images.jobs[images[0].hash].share < 1
