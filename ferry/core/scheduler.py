@@ -32,12 +32,13 @@ class _EncoderStep:
     """One step's vision-encoder budget: image tokens' worth of encoding left, and how far the
     step's encoder work takes each image it touches (by hash)."""
 
-    __slots__ = ("left", "upto", "overrun")
+    __slots__ = ("left", "upto", "overrun", "dropped")
 
     def __init__(self, budget: int) -> None:
         self.left = budget
         self.upto: dict[bytes, int] = {}
         self.overrun = False  # a chunk of this step took a whole image past its token budget
+        self.dropped = False  # a preemption in this step dropped encoder work planned earlier in it
 
 
 class Scheduler:
@@ -205,7 +206,7 @@ class Scheduler:
 
         self._in_flight = {}
         self._advance(self.running, scheduled, out)
-        if self.encoder_refs:
+        if self._enc.dropped:
             self._finish_read_images(out)
         for h, upto in self._enc.upto.items():
             self.encoded[h] = max(self.encoded.get(h, 0), upto)
@@ -558,6 +559,7 @@ class Scheduler:
         for _, im, n in out.encoder_inputs:
             upto[im.hash] = max(upto.get(im.hash, 0), n)
         self._enc.upto = upto
+        self._enc.dropped = True
 
     def _free_encoder_outputs(self, out: SchedulerOutput) -> None:
         """Encoder outputs no request will read again: the executor drops them before this step."""
